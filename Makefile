@@ -1,0 +1,35 @@
+# `make demo` and `make test` each set up .venv on a fresh machine.
+# torch is pinned and installed first so that no range pulls a CUDA build.
+PY      ?= python3
+VENV    := .venv
+PIP     := $(VENV)/bin/pip
+PYTHON  := $(VENV)/bin/python
+TORCH   ?= torch==2.13.0
+
+.PHONY: venv demo test bench-cpu assets clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e ".[test]"
+	$(PYTHON) -m ipykernel install --user --name lora-sweep >/dev/null 2>&1 || true
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/lora-sweep demo
+
+test: venv
+	$(PYTHON) -m pytest -q tests
+
+bench-cpu: venv
+	$(PYTHON) benchmarks/engine_cpu.py
+
+# Rebuild the bundled tiny model and task (a few minutes on CPU); the result is committed.
+assets: venv
+	$(PYTHON) scripts/make_tiny_assets.py
+
+clean:
+	rm -rf $(VENV) lora_sweep_runs .pytest_cache

@@ -1,0 +1,72 @@
+"""Plain torch reference of the packed multi-LoRA linear layer.
+
+This is the segmented loop: one base GEMM for all rows, then each adapter's LoRA term on
+its own contiguous rows (mLoRA's BatchLoRA). The Triton kernels must compute the same
+function; tests compare against this, and `MultiLoRALinear` runs it on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from .dropout import dropout_keep_mask
+
+Seeds = Union[int, Sequence[int]]
+
+
+def per_adapter_seeds(seed: Seeds, n: int) -> list[int]:
+    """One dropout seed per adapter: an int is shared by all, a sequence gives each its own."""
+    if isinstance(seed, int):
+        return [seed] * n
+    seeds = [int(s) for s in seed]
+    if len(seeds) != n:
+        raise ValueError(f"`seed` has {len(seeds)} entries but there are {n} adapters.")
+    return seeds
+
+
+def reference_multi_lora_linear(
+    x: torch.Tensor,  # [tokens, in], adapters' rows contiguous in adapter order
+    weight: torch.Tensor,  # [out, in], frozen
+    bias: Optional[torch.Tensor],  # [out] or None
+    lora_a: Sequence[Optional[torch.Tensor]],  # each [r_i, in], or None: no LoRA on that segment
+    lora_b: Sequence[Optional[torch.Tensor]],  # each [out, r_i], or None
+    scales: Sequence[float],
+    dropout_p: Sequence[float],
+    seg_lens: Sequence[int],  # rows per adapter, sum == tokens, zeros allowed
+    seed: Seeds = 0,
+) -> torch.Tensor:
+    """`x @ weight.T + bias`, plus `scale_i * dropout_i(x_i) @ A_i.T @ B_i.T` on segment i.
+
+    As in PEFT, the LoRA branch runs in the adapter's dtype (fp32 adapters on a bf16 base
+    upcast their input) and the sum is cast back to the base output's dtype. Dropout acts on
+    the LoRA branch's input only; its mask comes from `dropout_keep_mask(seed_i, ...)`, so the
+    fused kernels and this reference draw the same mask from the same seed.
+    """
+    n = len(seg_lens)
+    if not (len(lora_a) == len(lora_b) == len(scales) == len(dropout_p) == n):
+        raise ValueError("lora_a, lora_b, scales, dropout_p and seg_lens must have one entry per adapter.")
+    if sum(seg_lens) != x.shape[0]:
+        raise ValueError(f"seg_lens sum to {sum(seg_lens)} but x has {x.shape[0]} rows.")
+    seeds = per_adapter_seeds(seed, n)
+
+    base = F.linear(x, weight, bias)  # [tokens, out]
+    deltas = []
+    start = 0
+    for a, b, scale, p, rows, s in zip(lora_a, lora_b, scales, dropout_p, seg_lens, seeds):
+        xi = x[start : start + rows]
+        start += rows
+        if a is None or rows == 0:
+            deltas.append(base.new_zeros(rows, base.shape[1], dtype=base.dtype if a is None else a.dtype))
+            continue
+        xi = xi.to(a.dtype)
+        if p > 0:
+            keep = dropout_keep_mask(s, rows, xi.shape[1], p, device=xi.device)
+            xi = xi * keep.to(xi.dtype) / (1.0 - p)
+        deltas.append((xi @ a.t()) @ b.t() * scale)  # [rows, r] -> [rows, out]
+    if not deltas:
+        return base
+    delta = torch.cat([d.to(torch.promote_types(d.dtype, base.dtype)) for d in deltas])
+    return (base + delta).to(base.dtype)

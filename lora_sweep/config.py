@@ -1,0 +1,234 @@
+"""What a sweep is made of: one `JobSpec` (the shared base model and data) and many
+`TrialConfig`s (one LoRA adapter's hyperparameters each).
+
+Both validate themselves on construction, before any model is loaded. Checks that need
+the model (does `rank` fit the layer? does `q_proj` exist?) live in `check_against_model`,
+which the engine calls when a trial joins a job. Every failure is a `ConfigError` that
+names the trial, the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
+
+LR_SCHEDULERS = ("linear", "cosine", "constant")
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class ConfigError(ValueError):
+    """An invalid trial or job setting. The message names the trial, the field, the value
+    and the allowed range; `field` and `trial_id` are kept as attributes for tuners."""
+
+    def __init__(self, message: str, *, field: str | None = None, trial_id: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.trial_id = trial_id
+
+
+def _who(trial_id: Optional[str]) -> str:
+    return f"Trial {trial_id!r}: " if trial_id is not None else ""
+
+
+def _fail(trial_id, name, value, rule) -> ConfigError:
+    return ConfigError(
+        f"{_who(trial_id)}the value of `{name}` is {value!r}, but must be {rule}.",
+        field=name,
+        trial_id=trial_id,
+    )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _check_int(tid, name, v, lo, hi=None):
+    rule = f"an integer with {lo} <= `{name}`" + (f" <= {hi}" if hi is not None else "")
+    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+        raise _fail(tid, name, v, rule)
+
+
+def _check_real(tid, name, v, rule, ok):
+    if not _is_real(v) or not math.isfinite(float(v)) or not ok(float(v)):
+        raise _fail(tid, name, v, rule)
+
+
+@dataclass
+class TrialConfig:
+    """One LoRA adapter's hyperparameters: a single trial of the sweep.
+
+    Field names and meanings follow PEFT's `LoraConfig` and transformers' `TrainingArguments`
+    (`alpha` is `lora_alpha`: the LoRA term is scaled by alpha/rank, or alpha/sqrt(rank)
+    with `use_rslora`). Values are checked on construction; a bad one raises `ConfigError`.
+    """
+
+    rank: int = field(default=16, metadata={"help": "LoRA rank r of every adapted layer."})
+    alpha: float = field(default=32.0, metadata={"help": "PEFT's lora_alpha; scaling = alpha / rank."})
+    dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch input, in [0, 1)."})
+    learning_rate: float = field(default=2e-4, metadata={"help": "Peak AdamW learning rate."})
+    batch_size: int = field(default=1, metadata={"help": "Samples per micro-step for this adapter."})
+    max_steps: int = field(default=200, metadata={"help": "Optimizer steps to train."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay, >= 0."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps from lr 0."})
+    lr_scheduler: Literal["linear", "cosine", "constant"] = field(
+        default="linear", metadata={"help": "Decay after warm-up: linear or cosine to 0, or constant."}
+    )
+    max_grad_norm: Optional[float] = field(
+        default=1.0, metadata={"help": "Clip this adapter's gradient norm; None or 0 disables."}
+    )
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
+    use_rslora: bool = field(default=False, metadata={"help": "Scale by alpha/sqrt(rank) (rank-stabilised LoRA)."})
+    target_modules: Optional[tuple[str, ...]] = field(
+        default=None, metadata={"help": "Subset of the job's target modules; None means all of them."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seeds the adapter init, data order and dropout masks."})
+    trial_id: Optional[str] = field(default=None, metadata={"help": "Unique name; the engine assigns one if None."})
+
+    def __post_init__(self):
+        if self.trial_id is not None and not isinstance(self.trial_id, str):
+            self.trial_id = str(self.trial_id)
+        tid = self.trial_id
+        _check_int(tid, "rank", self.rank, 1)
+        _check_real(tid, "alpha", self.alpha, "a finite number > 0", lambda v: v > 0)
+        _check_real(tid, "dropout", self.dropout, "a number with 0 <= `dropout` < 1", lambda v: 0 <= v < 1)
+        _check_real(
+            tid, "learning_rate", self.learning_rate, "a finite number > 0", lambda v: v > 0
+        )
+        _check_int(tid, "batch_size", self.batch_size, 1)
+        _check_int(tid, "max_steps", self.max_steps, 1)
+        _check_real(tid, "weight_decay", self.weight_decay, "a finite number >= 0", lambda v: v >= 0)
+        _check_int(tid, "warmup_steps", self.warmup_steps, 0)
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise _fail(tid, "lr_scheduler", self.lr_scheduler, f"one of {', '.join(LR_SCHEDULERS)}")
+        if self.max_grad_norm is not None:
+            _check_real(
+                tid, "max_grad_norm", self.max_grad_norm, "None or a finite number >= 0", lambda v: v >= 0
+            )
+        _check_int(tid, "gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+        if not isinstance(self.use_rslora, bool):
+            raise _fail(tid, "use_rslora", self.use_rslora, "True or False")
+        if self.target_modules is not None:
+            if isinstance(self.target_modules, str):
+                self.target_modules = (self.target_modules,)
+            mods = tuple(self.target_modules)
+            if not mods or not all(isinstance(m, str) and m for m in mods):
+                raise _fail(tid, "target_modules", self.target_modules, "None or a non-empty list of module names")
+            self.target_modules = mods
+        _check_int(tid, "seed", self.seed, 0, 2**63 - 1)
+        # Normalise numeric types so that equal configs compare and serialise equal.
+        self.alpha = float(self.alpha)
+        self.dropout = float(self.dropout)
+        self.learning_rate = float(self.learning_rate)
+        self.weight_decay = float(self.weight_decay)
+        if self.max_grad_norm is not None:
+            self.max_grad_norm = float(self.max_grad_norm)
+
+    @property
+    def scaling(self) -> float:
+        """The factor on the LoRA term, as PEFT computes it."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], **overrides) -> "TrialConfig":
+        """Build from a tuner's flat dict. Unknown keys are an error naming the known ones."""
+        values = {**values, **overrides}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"{_who(values.get('trial_id'))}unknown TrialConfig field(s) {unknown}; "
+                f"known fields are {sorted(known)}.",
+                field=unknown[0],
+                trial_id=values.get("trial_id"),
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if d["target_modules"] is not None:
+            d["target_modules"] = list(d["target_modules"])
+        return d
+
+
+ModelSource = Union[str, Callable[[], Any]]
+DataSource = Union[str, Sequence[Mapping[str, Any]], Any]
+
+
+@dataclass
+class JobSpec:
+    """What every trial of a sweep shares: the base model, the data and the step budget's shape.
+
+    `base_model` is a hub id, a local directory saved with `save_pretrained`, or a zero-argument
+    factory returning a `PreTrainedModel` (then `tokenizer` must be given). Data rows are
+    `{"prompt", "completion"}` (loss on the completion only) or `{"text"}` (loss on all of it).
+    """
+
+    base_model: ModelSource = field(metadata={"help": "Hub id, local dir, or zero-arg model factory."})
+    train_data: DataSource = field(metadata={"help": "Path (.jsonl/.json), list of dicts, or datasets.Dataset."})
+    eval_data: Optional[DataSource] = field(default=None, metadata={"help": "Same forms; None: no eval loss."})
+    max_seq_len: int = field(default=512, metadata={"help": "Longer samples are truncated (counted, warned once)."})
+    target_modules: tuple[str, ...] = field(
+        default=DEFAULT_TARGET_MODULES, metadata={"help": "Linear layer names (suffixes) that get adapters."}
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto", metadata={"help": "Base weights' dtype; auto: bf16 on CUDA, fp32 on CPU."}
+    )
+    device: str = field(default="auto", metadata={"help": "auto: cuda if available, else cpu."})
+    eval_every: int = field(default=50, metadata={"help": "Evaluate (and report) every this many steps."})
+    output_dir: str = field(default="lora_sweep_runs", metadata={"help": "Adapters and checkpoints go here."})
+    tokenizer: Optional[Any] = field(default=None, metadata={"help": "Tokenizer or path; None: the model's."})
+    eval_batch_size: int = field(default=16, metadata={"help": "Eval rows per adapter per forward."})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Cap on eval rows; None: all."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute base activations."})
+
+    def __post_init__(self):
+        if not (isinstance(self.base_model, str) or callable(self.base_model)):
+            raise _fail(None, "base_model", self.base_model, "a hub id, a local directory or a zero-arg factory")
+        if self.train_data is None:
+            raise _fail(None, "train_data", None, "a path, a list of dicts or a datasets.Dataset")
+        _check_int(None, "max_seq_len", self.max_seq_len, 2)
+        if isinstance(self.target_modules, str):
+            self.target_modules = (self.target_modules,)
+        self.target_modules = tuple(self.target_modules)
+        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+            raise _fail(None, "target_modules", self.target_modules, "a non-empty list of module names")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise _fail(None, "dtype", self.dtype, "one of auto, float32, bfloat16, float16")
+        if not isinstance(self.device, str):
+            raise _fail(None, "device", self.device, "a device string such as 'auto', 'cpu' or 'cuda:0'")
+        _check_int(None, "eval_every", self.eval_every, 1)
+        _check_int(None, "eval_batch_size", self.eval_batch_size, 1)
+        if self.max_eval_samples is not None:
+            _check_int(None, "max_eval_samples", self.max_eval_samples, 1)
+
+    @property
+    def model_name(self) -> str:
+        """A printable name of the base model, used in PEFT's `base_model_name_or_path`."""
+        if isinstance(self.base_model, str):
+            return self.base_model
+        return getattr(self.base_model, "__name__", type(self.base_model).__name__)
+
+
+def check_against_model(cfg: TrialConfig, spec: JobSpec, module_shapes: Mapping[str, tuple[int, int]]) -> None:
+    """Checks that need the model. `module_shapes` maps each adaptable module suffix to the
+    smallest (in_features, out_features) seen under that name."""
+    tid = cfg.trial_id
+    wanted = cfg.target_modules or spec.target_modules
+    allowed = [m for m in spec.target_modules if m in module_shapes]
+    missing = [m for m in wanted if m not in allowed]
+    if missing:
+        raise _fail(
+            tid, "target_modules", list(wanted),
+            f"a subset of the job's adapted linear layers {allowed}"
+            + (f" (not found or not targeted: {missing})" if missing else ""),
+        )
+    smallest = min(min(module_shapes[m]) for m in wanted)
+    if cfg.rank > smallest:
+        raise _fail(tid, "rank", cfg.rank, f"an integer with 1 <= `rank` <= {smallest} "
+                    "(the smallest in/out dimension of the targeted layers)")

@@ -1,0 +1,169 @@
+"""Data: read rows, tokenise them once for the whole job, and give each trial its own
+shuffled stream of samples. Microbatches put each adapter's samples in consecutive rows.
+
+Rows are `{"prompt", "completion"}` (the loss counts completion tokens only) or `{"text"}`
+(the loss counts every token). Prompt and padding positions get the label -100.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from .config import ConfigError
+
+logger = logging.getLogger(__name__)
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Sample:
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]  # IGNORE_INDEX where no loss is taken
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def loss_tokens(self) -> int:
+        # The first label never counts: position t predicts token t + 1.
+        return sum(1 for lab in self.labels[1:] if lab != IGNORE_INDEX)
+
+
+def load_rows(source: Any, field_name: str) -> list[dict]:
+    """Rows from a .jsonl/.json path, a list of dicts, or a `datasets.Dataset`."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.exists(path):
+            raise ConfigError(f"`{field_name}` file {path!r} does not exist.", field=field_name)
+        with open(path, encoding="utf-8") as f:
+            if path.endswith(".jsonl"):
+                rows = []
+                for i, line in enumerate(f):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise ConfigError(f"`{field_name}` line {i + 1} of {path!r} is not JSON: {e}.",
+                                              field=field_name) from None
+            elif path.endswith(".json"):
+                rows = json.load(f)
+            else:
+                raise ConfigError(f"`{field_name}` must be a .jsonl or .json file, got {path!r}.", field=field_name)
+    elif isinstance(source, Iterable) and not isinstance(source, (dict, bytes)):
+        rows = list(source)  # a list of dicts or a datasets.Dataset (iterates dicts)
+    else:
+        raise ConfigError(f"`{field_name}` must be a path, a list of dicts or a datasets.Dataset, "
+                          f"got {type(source).__name__}.", field=field_name)
+    if not rows:
+        raise ConfigError(f"`{field_name}` is empty: at least one row is needed.", field=field_name)
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(f"`{field_name}` row {i} is a {type(row).__name__}, not a dict.", field=field_name)
+        keys = ("prompt", "completion") if "prompt" in row or "completion" in row else ("text",)
+        for k in keys:
+            if k not in row:
+                raise ConfigError(f"`{field_name}` row {i} has keys {sorted(row)}; rows need "
+                                  "{'prompt', 'completion'} or {'text'}.", field=field_name)
+            if not isinstance(row[k], str):
+                raise ConfigError(f"`{field_name}` row {i} field {k!r} is a {type(row[k]).__name__}, "
+                                  "not a string.", field=field_name)
+    return rows
+
+
+def tokenize_rows(rows: Sequence[dict], tokenizer, max_seq_len: int, field_name: str) -> list[Sample]:
+    """Tokenise every row once. Rows longer than `max_seq_len` are truncated (warned once, with
+    the count); rows left with no loss token (an empty completion) are dropped, also counted."""
+    eos = tokenizer.eos_token_id
+    samples, truncated, dropped = [], 0, 0
+    for row in rows:
+        if "text" in row and "prompt" not in row:
+            ids = _encode(tokenizer, row["text"], True) + ([eos] if eos is not None else [])
+            labels = list(ids)
+        else:
+            prompt = _encode(tokenizer, row["prompt"], True)
+            completion = _encode(tokenizer, row["completion"], False)
+            if not completion:
+                dropped += 1
+                continue
+            completion += [eos] if eos is not None else []
+            ids = prompt + completion
+            labels = [IGNORE_INDEX] * len(prompt) + completion
+        if len(ids) > max_seq_len:
+            truncated += 1
+            ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+        sample = Sample(tuple(ids), tuple(labels))
+        if sample.loss_tokens == 0:
+            dropped += 1
+            continue
+        samples.append(sample)
+    if truncated:
+        warnings.warn(f"{truncated} of {len(rows)} `{field_name}` rows are longer than max_seq_len="
+                      f"{max_seq_len} tokens and were truncated.", stacklevel=2)
+    if dropped:
+        warnings.warn(f"{dropped} of {len(rows)} `{field_name}` rows have no token to learn from "
+                      "(empty completion, or the prompt fills max_seq_len) and were dropped.", stacklevel=2)
+    if not samples:
+        raise ConfigError(f"`{field_name}` has no usable row after tokenisation "
+                          f"({len(rows)} rows, {dropped} dropped).", field=field_name)
+    return samples
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+class SampleStream:
+    """A trial's endless sample order: a fresh permutation of the data every epoch, drawn
+    from the trial's seed. `state()` / `load_state()` give the cursor for checkpoints."""
+
+    def __init__(self, num_samples: int, seed: int):
+        self.num_samples, self.seed = num_samples, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            if self.position == self.num_samples:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            out.append(int(self._order[self.position]))
+            self.position += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)
+
+
+def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """One padded microbatch: each group's samples in consecutive rows, in group order.
+    Right padding, so a row's real tokens never see padding under causal attention."""
+    rows = [s for group in groups for s in group]
+    length = max(len(s) for s in rows)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, s in enumerate(rows):
+        input_ids[i, : len(s)] = torch.tensor(s.input_ids)
+        labels[i, : len(s)] = torch.tensor(s.labels)
+        attention_mask[i, : len(s)] = 1
+    # Flat positions of [rows, length - 1] whose next token carries a label, found on the host
+    # so that selecting them on the GPU needs no sync.
+    keep_index = (labels[:, 1:].reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+    return {"input_ids": input_ids.to(device), "labels": labels.to(device),
+            "attention_mask": attention_mask.to(device), "keep_index": keep_index.to(device)}

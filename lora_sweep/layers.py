@@ -1,0 +1,120 @@
+"""`MultiLoRALinear`: a frozen linear layer that owns many LoRA adapters at once.
+
+Each adapter is added only to its own rows of the input. Which rows belong to which
+adapter is the `SegmentTable`, shared by every layer of the model and set once per
+microbatch by the engine, so the model's forward signature stays untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .kernels import multi_lora_linear
+
+
+@dataclass
+class SegmentTable:
+    """Row layout of the current microbatch: adapter `names[i]` owns `samples[i]` consecutive
+    samples (rows of the [batch, seq] input). Its dropout masks are seeded by its own
+    micro-step count `steps[i]` and the layer index, so they do not depend on pack-mates.
+    An empty table means "no adapters": layers then compute the base output only."""
+
+    names: list[str] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+
+    def set(self, names, samples, steps=None) -> None:
+        self.names, self.samples = list(names), [int(s) for s in samples]
+        self.steps = [int(s) for s in steps] if steps is not None else [0] * len(self.names)
+
+    def clear(self) -> None:
+        self.set([], [])
+
+
+def mix_seed(*parts: int) -> int:
+    """A 31-bit seed from integers (splitmix64 rounds): each (trial seed, layer, step) gets
+    its own dropout stream, independent of which other adapters share the microbatch."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFF
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen `nn.Linear` plus any number of LoRA adapters of different ranks.
+
+    Adapter `name` adds `scaling * lora_B(lora_A(dropout(x)))` to the rows the shared
+    `SegmentTable` gives it, as PEFT's `LoraLayer` does for a whole batch. The state-dict
+    names are PEFT's: `base_layer.weight`, `lora_A.<name>.weight`, `lora_B.<name>.weight`.
+    The work itself is `lora_sweep.kernels.multi_lora_linear` (Triton on CUDA, the torch
+    reference elsewhere).
+    """
+
+    adapter_layer_names = ("lora_A", "lora_B")
+    other_param_names = ("scaling", "lora_dropout", "seed")
+
+    def __init__(self, base_layer: nn.Linear, segments: SegmentTable, layer_index: int):
+        super().__init__()
+        self.base_layer = base_layer
+        self.base_layer.requires_grad_(False)
+        self.segments = segments
+        self.layer_index = layer_index
+        self.in_features = base_layer.in_features
+        self.out_features = base_layer.out_features
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        self.scaling: dict[str, float] = {}
+        self.lora_dropout: dict[str, float] = {}
+        self.seed: dict[str, int] = {}
+
+    def add_adapter(self, name: str, rank: int, scaling: float, dropout: float, seed: int,
+                    generator: torch.Generator, dtype: torch.dtype) -> None:
+        """PEFT's default init: A Kaiming-uniform (a=sqrt(5)) from `generator`, B zeros."""
+        device = self.base_layer.weight.device
+        lora_a = nn.Linear(self.in_features, rank, bias=False, device="cpu", dtype=torch.float32)
+        lora_b = nn.Linear(rank, self.out_features, bias=False, device=device, dtype=dtype)
+        # Same bound as nn.init.kaiming_uniform_(a=sqrt(5)), drawn from the trial's own generator.
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            lora_a.weight.uniform_(-bound, bound, generator=generator)
+            nn.init.zeros_(lora_b.weight)
+        self.lora_A[name] = lora_a.to(device=device, dtype=dtype)
+        self.lora_B[name] = lora_b
+        self.scaling[name] = float(scaling)
+        self.lora_dropout[name] = float(dropout)
+        self.seed[name] = int(seed)
+
+    def delete_adapter(self, name: str) -> None:
+        for attr in self.adapter_layer_names:
+            if name in getattr(self, attr):
+                del getattr(self, attr)[name]
+        for attr in self.other_param_names:
+            getattr(self, attr).pop(name, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = self.segments
+        if not table.names:
+            return self.base_layer(x)
+        lead, flat = x.shape[:-1], x.reshape(-1, self.in_features)  # (tokens, in)
+        rows_per_sample = flat.shape[0] // sum(table.samples)
+        lora_a, lora_b, scales, dropout_p, seeds, seg_lens = [], [], [], [], [], []
+        for name, n, step in zip(table.names, table.samples, table.steps):
+            has = name in self.lora_A
+            lora_a.append(self.lora_A[name].weight if has else None)
+            lora_b.append(self.lora_B[name].weight if has else None)
+            scales.append(self.scaling.get(name, 0.0))
+            dropout_p.append(self.lora_dropout.get(name, 0.0) if self.training else 0.0)
+            seeds.append(mix_seed(self.seed.get(name, 0), self.layer_index, step))
+            seg_lens.append(n * rows_per_sample)
+        out = multi_lora_linear(flat, self.base_layer.weight, self.base_layer.bias,
+                                lora_a, lora_b, scales, dropout_p, seg_lens, seeds)
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, adapters={list(self.lora_A)}"

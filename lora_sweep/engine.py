@@ -18,7 +18,9 @@ import logging
 import math
 import os
 import re
+import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Union
@@ -121,8 +123,9 @@ class PackedJob:
             Show a tqdm bar (steps, active adapters, tokens/s).
     """
 
-    def __init__(self, spec: JobSpec, trials=(), *, progress: bool = True):
+    def __init__(self, spec: JobSpec, trials=(), *, progress: bool = True, pack_id: Optional[str] = None):
         self.spec = spec
+        self.pack_id = pack_id or f"pack-{uuid.uuid4().hex[:8]}"
         self.device = resolve_device(spec)
         self.dtype = resolve_dtype(spec, self.device)
         self.adapter_dtype = torch.float32  # adapters train in fp32 on a bf16 base, as PEFT does
@@ -153,6 +156,7 @@ class PackedJob:
         self.step_stats: list[dict] = []  # one dict per job step, for the cost model
         self.progress = progress
         self._running = False
+        self._lock = threading.RLock()  # add/remove may come from another thread (Ray actor calls)
         for cfg in trials:
             self.add_trial(cfg)
 
@@ -169,7 +173,8 @@ class PackedJob:
         so a bad trial never stops the job."""
         if isinstance(cfg, TrialConfig) and cfg.trial_id is None:
             cfg.trial_id = self._new_id()
-        self._pending_add.append(cfg)
+        with self._lock:
+            self._pending_add.append(cfg)
         if not self._running:  # outside run() there is no step to wait for
             self._apply_membership()
         return cfg.trial_id if isinstance(cfg, TrialConfig) else (cfg.get("trial_id") or None)
@@ -177,7 +182,8 @@ class PackedJob:
     def remove_trial(self, trial_id: str) -> None:
         """Drop a trial at the next step boundary (pruned or stopped by the tuner). Unknown or
         already finished trials are ignored."""
-        self._pending_remove.add(str(trial_id))
+        with self._lock:
+            self._pending_remove.add(str(trial_id))
         if not self._running:
             self._apply_membership()
 
@@ -188,12 +194,19 @@ class PackedJob:
         return f"trial-{self._next_id - 1}"
 
     def _apply_membership(self) -> None:
-        for tid in list(self._pending_remove):
+        with self._lock:
+            self._apply_membership_locked()
+
+    def _apply_membership_locked(self) -> None:
+        removes, adds = set(self._pending_remove), list(self._pending_add)
+        self._pending_remove.clear()
+        self._pending_add.clear()
+        for tid in removes:
             if tid in self.active:
                 self._drop(tid)
-        self._pending_remove.clear()
-        while self._pending_add:
-            raw = self._pending_add.popleft()
+        for raw in adds:
+            if (raw.trial_id if isinstance(raw, TrialConfig) else raw.get("trial_id")) in removes:
+                continue
             try:
                 cfg = raw if isinstance(raw, TrialConfig) else TrialConfig.from_dict(
                     {"trial_id": self._new_id(), **raw} if raw.get("trial_id") is None else raw)

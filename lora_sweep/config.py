@@ -186,6 +186,11 @@ class JobSpec:
     eval_batch_size: int = field(default=16, metadata={"help": "Eval rows per adapter per forward."})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Cap on eval rows; None: all."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute base activations."})
+    padding: Literal["auto", "longest", "max_seq_len"] = field(
+        default="auto",
+        metadata={"help": "Pad each microbatch to its longest sample, or to max_seq_len so that an adapter's "
+                  "arithmetic does not depend on its pack-mates bit for bit; auto: max_seq_len on CPU."},
+    )
 
     def __post_init__(self):
         if not (isinstance(self.base_model, str) or callable(self.base_model)):
@@ -202,6 +207,8 @@ class JobSpec:
             raise _fail(None, "dtype", self.dtype, "one of auto, float32, bfloat16, float16")
         if not isinstance(self.device, str):
             raise _fail(None, "device", self.device, "a device string such as 'auto', 'cpu' or 'cuda:0'")
+        if self.padding not in ("auto", "longest", "max_seq_len"):
+            raise _fail(None, "padding", self.padding, "one of auto, longest, max_seq_len")
         _check_int(None, "eval_every", self.eval_every, 1)
         _check_int(None, "eval_batch_size", self.eval_batch_size, 1)
         if self.max_eval_samples is not None:

@@ -150,11 +150,12 @@ class SampleStream:
         self._order = self._permutation(self.epoch)
 
 
-def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device) -> dict[str, torch.Tensor]:
+def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device, length: int | None = None) -> dict[str, torch.Tensor]:
     """One padded microbatch: each group's samples in consecutive rows, in group order.
-    Right padding, so a row's real tokens never see padding under causal attention."""
+    Right padding, so a row's real tokens never see padding under causal attention.
+    `length` fixes the padded length; None pads to the longest sample."""
     rows = [s for group in groups for s in group]
-    length = max(len(s) for s in rows)
+    length = length or max(len(s) for s in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)

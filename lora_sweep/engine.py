@@ -135,6 +135,10 @@ class PackedJob:
         self.segments = SegmentTable()
         self.layers = inject_multi_lora(self.model, spec.target_modules, self.segments)
         self.body, self.lm_head_weight = split_causal_lm(self.model)
+        # Padded length: fixed on CPU so that backward reductions over the sequence run in the same
+        # order whoever the pack-mates are (bit-identical isolation); the longest sample on GPU.
+        fixed = spec.padding == "max_seq_len" or (spec.padding == "auto" and self.device.type == "cpu")
+        self.pad_length = spec.max_seq_len if fixed else None
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:  # documented: the EOS token pads; padding is masked anyway
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
@@ -285,7 +289,7 @@ class PackedJob:
 
         # data: each adapter's own samples, stacked adapter by adapter
         groups = [[self.train_samples[i] for i in a.stream.take(a.cfg.batch_size)] for a in adapters]
-        batch = collate(groups, self.pad_id, self.device)
+        batch = collate(groups, self.pad_id, self.device, self.pad_length)
         self.segments.set([a.key for a in adapters], [a.cfg.batch_size for a in adapters],
                           [a.micro_steps for a in adapters])
 
@@ -396,7 +400,7 @@ class PackedJob:
         for start in range(0, len(self.eval_samples), size):
             chunk = self.eval_samples[start : start + size]
             groups = [chunk] * len(adapters)
-            batch = collate(groups, self.pad_id, self.device)
+            batch = collate(groups, self.pad_id, self.device, self.pad_length)
             self.segments.set([a.key for a in adapters], [len(chunk)] * len(adapters))
             s, c = self._adapter_losses(batch, groups)
             sums += s.double().cpu()

@@ -1,9 +1,9 @@
 """An adapter trained packed equals the same adapter trained alone with PEFT.
 
-The reference is what a user runs today: `peft.get_peft_model` (here loaded from the
-packed job's saved initial adapter, so both start from the same weights), torch's AdamW,
-transformers' schedules and `clip_grad_norm_`, the HF model's own loss, the same samples
-in the same order. Everything is fp32 on CPU.
+The reference is what a user runs today (`benchmarks/peft_baseline.py`): a PEFT model (here
+loaded from the packed job's saved initial adapter, so both start from the same weights),
+torch's AdamW, transformers' schedules and `clip_grad_norm_`, the HF model's own loss, the
+same samples in the same order. Everything is fp32 on CPU.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import math
 
 import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, get_scheduler
+from safetensors.torch import load_file
 
 import lora_sweep as ls
-from lora_sweep.data import SampleStream, collate
+from benchmarks.peft_baseline import peft_model_for, train_alone_with_peft
 from lora_sweep.engine import PackedJob, Report
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -50,37 +49,7 @@ def run_packed(job: PackedJob) -> dict[str, list[float]]:
     return losses
 
 
-def train_alone_with_peft(model_dir, init_dir, cfg: ls.TrialConfig, samples, pad_id, steps=None):
-    """The user's loop: PEFT model, torch AdamW, HF scheduler, clip_grad_norm_, HF loss."""
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, foreach=True)
-    sched = get_scheduler(cfg.lr_scheduler, opt, num_warmup_steps=cfg.warmup_steps,
-                          num_training_steps=cfg.max_steps)
-    stream = SampleStream(len(samples), cfg.seed)
-    losses = []
-    for _ in range(steps or cfg.max_steps):
-        micro = []
-        for _ in range(cfg.gradient_accumulation_steps):
-            batch = collate([[samples[i] for i in stream.take(cfg.batch_size)]], pad_id, "cpu")
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
-            (out.loss / cfg.gradient_accumulation_steps).backward()
-            micro.append(out.loss.item())
-        if cfg.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(sum(micro) / len(micro))
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
-    return losses, weights
-
-
 def final_weights(path):
-    base_dir_model = PeftModel  # noqa: F841  (import kept for clarity of what loads these)
-    from safetensors.torch import load_file
     return load_file(f"{path}/adapter_model.safetensors")
 
 
@@ -97,8 +66,8 @@ def test_packed_equals_peft_alone(arch, request, toy_data, tmp_path):
     packed = run_packed(job)
 
     for cfg in four_trials():
-        ref_losses, ref_weights = train_alone_with_peft(model_dir, str(tmp_path / "init" / cfg.trial_id), cfg,
-                                                         job.train_samples, job.pad_id)
+        model = peft_model_for(model_dir, cfg, job.spec.target_modules, init_dir=str(tmp_path / "init" / cfg.trial_id))
+        ref_losses, ref_weights = train_alone_with_peft(model, cfg, job.train_samples, job.pad_id)
         got = packed[cfg.trial_id]
         assert len(got) == cfg.max_steps
         for step, (x, y) in enumerate(zip(got, ref_losses)):

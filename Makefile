@@ -25,7 +25,7 @@ test: venv
 	$(PYTHON) -m pytest -q tests
 
 bench-cpu: venv
-	$(PYTHON) benchmarks/engine_cpu.py
+	$(PYTHON) -m benchmarks.engine_cpu
 
 # Rebuild the bundled tiny model and task (a few minutes on CPU); the result is committed.
 assets: venv

@@ -125,12 +125,13 @@ class Plan:
         fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * self.num_gpus))
         colors = plt.get_cmap("tab20").colors
         for k, j in enumerate(self.jobs):
-            for g in j.gpu_ids:
-                ax.barh(g, j.duration / scale, left=j.start / scale, height=0.8, color=colors[k % len(colors)],
-                        edgecolor="black", linewidth=0.5)
+            for first, last in _runs(j.gpu_ids):  # one bar per block of adjacent GPUs
+                ax.barh((first + last) / 2, j.duration / scale, left=j.start / scale, height=last - first + 0.8,
+                        color=colors[k % len(colors)], edgecolor="black", linewidth=0.5)
             if j.duration / max(self.makespan, 1e-9) > 0.04:
-                ax.text((j.start + j.duration / 2) / scale, sum(j.gpu_ids) / len(j.gpu_ids),
-                        f"{k}: {len(j.trials)}", ha="center", va="center", fontsize=7)
+                first, last = _runs(j.gpu_ids)[0]
+                ax.text((j.start + j.duration / 2) / scale, (first + last) / 2, f"{k}: {len(j.trials)}",
+                        ha="center", va="center", fontsize=7)
         ax.axvline(self.lower_bound / scale, color="red", linestyle="--", linewidth=1, label="lower bound")
         ax.set_yticks(range(self.num_gpus), [f"GPU {g}" for g in range(self.num_gpus)])
         ax.invert_yaxis()
@@ -142,6 +143,17 @@ class Plan:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first, last) of each block of consecutive numbers in `ids`."""
+    runs: list[tuple[int, int]] = []
+    for g in sorted(ids):
+        if runs and runs[-1][1] == g - 1:
+            runs[-1] = (runs[-1][0], g)
+        else:
+            runs.append((g, g))
+    return runs
 
 
 def _name(trial: TrialConfig, index: int) -> str:
@@ -458,7 +470,7 @@ class _Scheduler:
             chosen, d = job
             members = [self.trials[i] for i in chosen]
             duration = self.cm.job_seconds(members, d)
-            gpu_ids = tuple(free[:d])
+            gpu_ids = _pick_gpus(free, d)
             self.free_at[list(gpu_ids)] = now + duration
             self.pending[chosen] = False
             jobs.append(PlannedJob(members, d, now, now + duration, gpu_ids, self.cm.memory_per_gpu(members, d),
@@ -508,6 +520,15 @@ class _Scheduler:
             d = min((k for k in gpu_counts(self.num_gpus) if k <= len(free) and self.cm.fits(members, k)),
                     key=lambda k: self.cm.job_seconds(members, k))
         return np.flatnonzero(x), d
+
+
+def _pick_gpus(free: list[int], d: int) -> tuple[int, ...]:
+    """`d` of the `free` GPUs: an aligned block (2k, 2k+1 for d = 2, ...) if one is free, as
+    such GPUs usually share the fastest links; else the lowest numbers."""
+    for start in range(0, max(free) + 1, d):
+        if set(range(start, start + d)) <= set(free):
+            return tuple(range(start, start + d))
+    return tuple(free[:d])
 
 
 # --------------------------------------------------------------------------- continuous packing

@@ -1,0 +1,225 @@
+"""`lora-sweep`, the command line.
+
+    lora-sweep plan examples/sweep.yaml     # schedule a sweep (no GPU needed): table + Gantt chart
+    lora-sweep demo                         # train a tiny packed sweep on this machine
+    lora-sweep run examples/sweep.yaml      # train a sweep
+
+A sweep file (YAML) names the base model, the hardware and the trials; see
+`examples/sweep.yaml`. Its keys are in `SWEEP_KEYS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+from .config import ConfigError, TrialConfig
+
+SWEEP_KEYS = {
+    # the base model and the job: what every trial shares
+    "model": "a preset (e.g. qwen2.5-7b), a hub id or local dir, or a dict of config fields",
+    "max_seq_len": "longest sample in tokens (default 512)",
+    "dtype": "bfloat16, float16, float32 or auto (default auto)",
+    "gradient_checkpointing": "recompute base activations (default false)",
+    "target_modules": "linear layers that get adapters (default all seven)",
+    # the hardware
+    "gpus": "GPUs for the sweep (default 8)",
+    "gpu_memory_gb": "memory of each GPU (default 80)",
+    "gpu": "step-time profile, a name in lora_sweep.costmodel.GPUS (default h100-sxm)",
+    "load_factor": "usable fraction of each GPU's memory (default 0.9)",
+    # the trials
+    "n_trials": "how many trials to draw from search_space (default 120)",
+    "seed": "seed of the draws (default 0)",
+    "steps": "max_steps of every trial (default 200)",
+    "search_space": "field -> {low, high, log} or a list of choices (default PLoRA's Table 1)",
+    "trials": "an explicit list of trials (TrialConfig fields) instead of search_space",
+    "trial_defaults": "TrialConfig fields every trial shares",
+    # the planner
+    "max_adapters_per_job": "most trials in one job (default: memory decides)",
+    "objective": "tokens or rank: what a job's throughput counts (default tokens)",
+    "gantt": "where `plan` writes its chart (default <sweep>_plan.png)",
+    # training (`run`)
+    "train_data": "training rows (.jsonl/.json)",
+    "eval_data": "evaluation rows (.jsonl/.json)",
+    "eval_every": "evaluate every this many steps",
+    "output_dir": "adapters and checkpoints go here",
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the `lora-sweep` command line.
+
+    Args:
+        argv:
+            The arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ConfigError, ValueError, TypeError, OSError) as err:
+        print(f"lora-sweep {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lora-sweep", description="Packed multi-LoRA hyperparameter sweeps.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plan = commands.add_parser("plan", help="schedule a sweep into packed jobs; print them and draw a Gantt chart",
+                               description="Schedule a sweep into packed jobs (no GPU needed).")
+    plan.add_argument("sweep", help="the sweep YAML file")
+    plan.add_argument("--gantt", help="PNG path of the chart (default: the file's `gantt`, else <sweep>_plan.png)")
+    plan.add_argument("--gpus", type=int, help="override the file's `gpus`")
+    plan.add_argument("--gpu-memory-gb", type=float, help="override the file's `gpu_memory_gb`")
+    plan.add_argument("--gpu", help="override the file's `gpu` (step-time profile)")
+    plan.add_argument("--calibration", help="a cost model saved by `CostModel.save` (from `calibrate`)")
+    plan.set_defaults(func=_plan)
+
+    demo = commands.add_parser("demo", help="train a tiny packed sweep on this machine")
+    demo.set_defaults(func=_demo)
+
+    run = commands.add_parser("run", help="train the trials of a sweep file")
+    run.add_argument("sweep", help="the sweep YAML file")
+    run.set_defaults(func=_run)
+    return parser
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .costmodel import CostModel
+    from .planner import plan
+
+    sweep = read_sweep(args.sweep)
+    for key in ("gpus", "gpu_memory_gb", "gpu"):
+        if getattr(args, key) is not None:
+            sweep[key] = getattr(args, key)
+    trials = sweep_trials(sweep)
+    if args.calibration:
+        cost_model = CostModel.load(args.calibration)
+    else:
+        cost_model = CostModel.from_model(
+            sweep["model"], sweep["gpu"], gpu_memory_gb=sweep["gpu_memory_gb"], max_seq_len=sweep["max_seq_len"],
+            dtype=sweep["dtype"], gradient_checkpointing=sweep["gradient_checkpointing"],
+            load_factor=sweep["load_factor"], **({"target_modules": sweep["target_modules"]}
+                                                 if sweep.get("target_modules") else {}))
+    result = plan(None, trials, sweep["gpus"], cost_model=cost_model,
+                  max_adapters_per_job=sweep.get("max_adapters_per_job"), objective=sweep["objective"])
+
+    gpu = cost_model.gpu
+    print(f"{len(trials)} trials of {_model_name(sweep['model'])} (max_seq_len {cost_model.max_seq_len}, "
+          f"{cost_model.dtype}) on {sweep['gpus']} x {gpu.name} ({gpu.memory_gb:g} GB, load factor "
+          f"{cost_model.load_factor:g})")
+    print(f"cost model: {cost_model.calibration.describe()}")
+    print(result.table())
+    path = args.gantt or sweep.get("gantt") or os.path.splitext(os.path.basename(args.sweep))[0] + "_plan.png"
+    result.gantt(path)
+    print(f"Gantt chart: {path}")
+    return 0
+
+
+def _model_name(model: Any) -> str:
+    return model if isinstance(model, str) else f"a {model.get('model_type', 'llama')} model"
+
+
+# --------------------------------------------------------------------------- sweep files
+
+
+def read_sweep(path: str) -> dict:
+    """Read a sweep YAML file and fill in the defaults (see `SWEEP_KEYS`).
+
+    Args:
+        path:
+            The file.
+
+    Returns:
+        The sweep as a dict.
+    """
+    import yaml
+
+    with open(path) as f:
+        sweep = yaml.safe_load(f) or {}
+    if not isinstance(sweep, dict):
+        raise ValueError(f"The sweep file {path!r} must hold a mapping of keys, not a {type(sweep).__name__}.")
+    unknown = sorted(set(sweep) - set(SWEEP_KEYS))
+    if unknown:
+        raise ValueError(f"The sweep file {path!r} has unknown key(s) {unknown}; known keys are {sorted(SWEEP_KEYS)}.")
+    if "model" not in sweep:
+        raise ValueError(f"The sweep file {path!r} has no `model`: {SWEEP_KEYS['model']}.")
+    defaults = dict(max_seq_len=512, dtype="auto", gradient_checkpointing=False, gpus=8, gpu_memory_gb=80,
+                    gpu="h100-sxm", load_factor=0.9, n_trials=120, seed=0, steps=200, objective="tokens")
+    return {**defaults, **sweep}
+
+
+def sweep_trials(sweep: dict) -> list[TrialConfig]:
+    """The trials of a sweep: its explicit `trials`, else `n_trials` draws from `search_space`.
+
+    Every trial gets ``max_steps = steps`` and the `trial_defaults` unless it sets them, and
+    a ``trial_id`` (t000, t001, ...) unless it has one.
+
+    Args:
+        sweep:
+            A sweep from `read_sweep`.
+
+    Returns:
+        The trials.
+    """
+    from .space import Categorical, Float, Int, config_from_params, random_configs
+
+    defaults = {"max_steps": sweep["steps"], **_numbers(sweep.get("trial_defaults") or {})}
+    if sweep.get("trials"):
+        trials = [config_from_params(_numbers(t), defaults) for t in sweep["trials"]]
+    else:
+        space = None
+        if sweep.get("search_space"):
+            space = {}
+            for name, dim in sweep["search_space"].items():
+                if isinstance(dim, list):
+                    space[name] = Categorical(tuple(dim))
+                elif isinstance(dim, dict) and {"low", "high"} <= set(dim):
+                    low, high = _number(dim["low"]), _number(dim["high"])
+                    kind = Int if isinstance(low, int) and isinstance(high, int) else Float
+                    space[name] = kind(low, high, log=bool(dim.get("log", False)))
+                else:
+                    raise ValueError(f"The search space dimension `{name}` is {dim!r}, but must be a list of "
+                                     "choices or a mapping with `low`, `high` and optionally `log`.")
+        trials = random_configs(space, sweep["n_trials"], seed=sweep["seed"], defaults=defaults)
+    for k, trial in enumerate(trials):
+        if trial.trial_id is None:
+            trial.trial_id = f"t{k:03d}"
+    return trials
+
+
+def _number(value: Any) -> Any:
+    """YAML 1.1 reads ``2e-5`` (no dot) as a string; take it as the number it means."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _numbers(values: dict) -> dict:
+    return {k: v if k == "trial_id" else _number(v) for k, v in values.items()}
+
+
+# --------------------------------------------------------------------------- demo and run
+
+
+def _demo(args: argparse.Namespace) -> int:
+    raise NotImplementedError("filled in by the engine work")
+
+
+def _run(args: argparse.Namespace) -> int:
+    raise NotImplementedError("filled in by the engine work")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

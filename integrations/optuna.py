@@ -1,0 +1,836 @@
+"""Optuna integration: run a study's trials packed into shared LoRA jobs.
+
+`PackedLoRASampler` wraps the study's own sampler (TPE unless you chose another), lets it
+make every sampling decision, and adds `optimize`, which drives the study through Optuna's
+ask-and-tell interface instead of an objective function:
+
+1. Ask trials while the running `PackedJob` has room (`lora_sweep.planner.admit` and its
+   memory model, capped at `max_concurrent` adapters); each trial's params become a
+   `TrialConfig`, and a bad one is told FAIL alone, before any training.
+2. The job trains them all in one forward/backward per step; the base model is loaded once
+   per device and kept for the whole sweep (and for later `optimize` calls).
+3. Each engine `Report` becomes `trial.report(value, step)`; when the pruner says so, the
+   adapter leaves the job and the trial is told PRUNED. `Finished` is told COMPLETE with
+   the last value, `Failed` is told FAIL with the reason. Every ended trial frees a slot
+   that a newly asked trial fills at the next step.
+
+Workers sharing one storage (an RDB URL or a `JournalStorage` file) coordinate through
+it: each records its id on the trials it runs and stamps a heartbeat into the study, and
+the RUNNING trials of a worker that died (no heartbeat for three intervals, or a dead
+process on this host) are told FAIL and their params enqueued again.
+
+    study = optuna.create_study(storage="sqlite:///sweep.db", study_name="lora", load_if_exists=True)
+    sampler = PackedLoRASampler(study, spec, trial_defaults={"max_steps": 200})
+    sampler.optimize(n_trials=64)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+try:
+    import optuna
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError("lora_sweep.integrations.optuna needs Optuna: pip install 'lora-sweep[optuna]'") from err
+
+import torch
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.exceptions import TrialPruned, UpdateFinishedTrialError
+from optuna.samplers import BaseSampler
+from optuna.storages import InMemoryStorage
+from optuna.storages._heartbeat import is_heartbeat_enabled
+from optuna.study import Study, StudyDirection
+from optuna.trial import FrozenTrial, Trial, TrialState
+from tqdm.auto import tqdm
+
+from lora_sweep import space as _space
+from lora_sweep.config import ConfigError, JobSpec, TrialConfig
+from lora_sweep.engine import Failed, Finished, PackedJob, Report
+
+__all__ = ["PackedLoRASampler"]
+
+logger = logging.getLogger(__name__)
+
+SearchSpace = Union[None, Callable[[Trial], Union[TrialConfig, Mapping[str, Any]]], Mapping[str, Any]]
+
+# Bookkeeping in the storage, shared by all workers of a study.
+_WORKER = "lora_sweep:worker"  # trial system attr: id of the worker running it
+_RESTARTED = "lora_sweep:restarted"  # trial system attr: FAILed because its worker died; params re-enqueued
+_HEARTBEAT = "lora_sweep:heartbeat:"  # study system attr prefix: + worker id -> last time.time() it was alive
+_STALE_AFTER_BEATS = 3  # a worker silent for this many heartbeat intervals is dead
+
+
+class PackedLoRASampler(BaseSampler):
+    """A sampler that runs a study's LoRA trials packed onto one shared base model.
+
+    It delegates every sampling decision to the study's own sampler (TPE unless you chose
+    another; an existing `PackedLoRASampler` is unwrapped) and installs itself as the
+    study's sampler, so `study.optimize` keeps working as plain Optuna. `optimize` runs the
+    LoRA sweep: trials are asked while the running packed job has room, trained together in
+    one forward/backward per step, reported to the pruner at every evaluation, and replaced
+    by new trials as soon as they finish, are pruned or fail (continuous packing). See the
+    module docstring for the flow.
+
+    Each trial records the user attrs ``config`` (the full `TrialConfig` as a dict),
+    ``pack_id``, ``tokens_per_second``, ``adapter_dir`` (the PEFT adapter, when finished)
+    and ``fail_reason`` (when it failed). A trial whose config is invalid, whose loss stops
+    being finite or that runs out of memory fails alone; its pack-mates carry on.
+
+    The default search space is PLoRA's Table 1 (`lora_sweep.space.PLORA_SPACE`): learning
+    rate 2e-5..4e-4, batch size 1..32 and rank 8..128 on a log scale, and ``alpha_ratio``
+    0.25..4 (log), from which ``alpha = alpha_ratio * rank``; the trial's params hold
+    ``alpha_ratio`` and its ``config`` the resulting ``alpha``, so it is reproducible from
+    either. Many trials are in flight at once, so `TPESampler(constant_liar=True)` helps
+    TPE spread them out.
+
+    Example:
+
+        .. code::
+
+            import optuna
+            import lora_sweep as ls
+            from lora_sweep.integrations.optuna import PackedLoRASampler
+
+            spec = ls.JobSpec(base_model="Qwen/Qwen2.5-0.5B", train_data="train.jsonl",
+                              eval_data="eval.jsonl", eval_every=50)
+            study = optuna.create_study(
+                pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=50),
+                storage="sqlite:///lora.db", study_name="lora", load_if_exists=True)
+            sampler = PackedLoRASampler(study, spec, trial_defaults={"max_steps": 400})
+            sampler.optimize(n_trials=64)
+            print(study.best_trial.user_attrs["adapter_dir"])
+
+    Args:
+        study:
+            The study to optimize; its direction applies to `metric`.
+        spec:
+            The base model, data and evaluation settings every trial shares.
+        search_space:
+            A define-by-run function ``(optuna.Trial) -> TrialConfig`` (or a dict of
+            `TrialConfig` fields); a dict of field name (or ``alpha_ratio``) -> Optuna
+            distribution or `lora_sweep.space` dimension; or None for PLoRA's Table 1 space
+            minus the fields that `trial_defaults` fixes.
+        trial_defaults:
+            `TrialConfig` fields shared by every trial, e.g. ``{"max_steps": 200}``. They
+            fill in the fields the search space does not set (for a function returning a
+            `TrialConfig`: the fields it leaves at their defaults). A field in both a dict
+            search space and `trial_defaults` is an error.
+        metric:
+            The value reported to Optuna: a key of the engine's report metrics,
+            ``"eval_loss"`` (needs ``spec.eval_data``) or ``"train_loss"``. A trial's
+            final value is its last one.
+        max_concurrent:
+            Most trials packed into one job at a time. Within that, the planner's memory
+            model admits only what fits the device.
+        devices:
+            The devices of this worker, e.g. ``["cuda:0", "cuda:1"]`` (ints mean CUDA
+            indices): one packed job per device, fed from the same study. None: ``spec.device``.
+            For more machines, run one worker per machine on a shared storage.
+        heartbeat_interval:
+            Seconds between this worker's heartbeats in a shared storage; another worker
+            restarts its trials after three missed beats.
+    """
+
+    def __init__(
+        self,
+        study: Study,
+        spec: JobSpec,
+        search_space: SearchSpace = None,
+        *,
+        trial_defaults: Optional[Mapping[str, Any]] = None,
+        metric: str = "eval_loss",
+        max_concurrent: int = 8,
+        devices: Optional[Sequence[Union[str, int]]] = None,
+        heartbeat_interval: float = 30.0,
+    ) -> None:
+        if not isinstance(study, Study):
+            raise TypeError(f"The value of `study` is a {type(study).__name__}, but must be an optuna.Study.")
+        if len(study.directions) != 1:
+            raise ValueError(f"The study has {len(study.directions)} objectives, but PackedLoRASampler "
+                             "reports one value (`metric`) per trial.")
+        if not isinstance(spec, JobSpec):
+            raise TypeError(f"The value of `spec` is a {type(spec).__name__}, but must be a lora_sweep.JobSpec.")
+        if metric == "eval_loss" and spec.eval_data is None:
+            raise ValueError("The value of `metric` is 'eval_loss', but the JobSpec has no `eval_data`: "
+                             "give it eval data or use metric='train_loss'.")
+        if not isinstance(max_concurrent, int) or max_concurrent < 1:
+            raise ValueError(f"The value of `max_concurrent` is {max_concurrent!r}, but must be `max_concurrent >= 1`.")
+        if not heartbeat_interval > 0:
+            raise ValueError(f"The value of `heartbeat_interval` is {heartbeat_interval!r}, but must be "
+                             "`heartbeat_interval > 0`.")
+        if study.direction == StudyDirection.MAXIMIZE and metric.endswith("loss"):
+            warnings.warn(f"The study maximizes `{metric}`; create it with direction='minimize' to "
+                          "find the lowest loss.", stacklevel=2)
+
+        self._study = study
+        self._spec = spec
+        self._trial_defaults = dict(trial_defaults or {})
+        self._search_space = _resolve_search_space(search_space, self._trial_defaults)
+        self._metric = metric
+        self._max_concurrent = max_concurrent
+        self._devices = _resolve_devices(devices, spec)
+        self._heartbeat_interval = float(heartbeat_interval)
+        self._admission = _Admission(spec, max_concurrent)
+        self._jobs: list[Optional[PackedJob]] = [None] * len(self._devices)
+        self._worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+        sampler = study.sampler
+        while isinstance(sampler, PackedLoRASampler):
+            sampler = sampler._sampler
+        self._sampler = sampler
+        study.sampler = self
+
+    @property
+    def jobs(self) -> list[PackedJob]:
+        """The packed jobs this sampler has started, one per device; each holds its base model
+        for the sampler's lifetime, so a later `optimize` call does not load it again."""
+        return [job for job in self._jobs if job is not None]
+
+    def optimize(
+        self,
+        n_trials: Optional[int] = None,
+        timeout: Optional[float] = None,
+        callbacks: Optional[Sequence[Callable[[Study, FrozenTrial], None]]] = None,
+        show_progress_bar: bool = True,
+    ) -> None:
+        """Run the packed sweep until the study holds `n_trials` trials or `timeout` passes.
+
+        Unlike `Study.optimize`, `n_trials` counts toward the study's total: trials already
+        finished (COMPLETE, PRUNED or FAIL) and those other workers are running count, so
+        running `optimize` again on a resumed study, or on several workers with the same
+        `n_trials`, ends with that many trials. Trials that a dead worker left RUNNING are
+        told FAIL, marked as restarted (they do not count) and their params enqueued again,
+        so they train anew from step 0. Workers racing for the last trials may overshoot
+        the total by one trial each, as with Optuna's `MaxTrialsCallback`.
+
+        After `timeout` no new trial starts; running ones finish. `study.stop()` in a
+        callback works as in `Study.optimize`. If the sweep is interrupted (Ctrl-C or an
+        error), the trials it was running are told FAIL and re-enqueued, as a dead worker's.
+
+        Example:
+
+            .. code::
+
+                sampler = PackedLoRASampler(study, spec, trial_defaults={"max_steps": 100})
+                sampler.optimize(n_trials=32, timeout=3600)
+
+        Args:
+            n_trials:
+                The study's total number of trials to reach; None: no limit.
+            timeout:
+                Seconds after which no new trial starts; None: no limit.
+            callbacks:
+                Called as ``callback(study, frozen_trial)`` after each trial ends.
+            show_progress_bar:
+                Show a tqdm bar of ended trials and the best value.
+        """
+        if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
+            raise ValueError(f"The value of `n_trials` is {n_trials!r}, but must be None or `n_trials >= 1`.")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"The value of `timeout` is {timeout!r}, but must be None or `timeout > 0`.")
+        _warn_if_pruner_waits(self._study, self._max_concurrent)
+        sweep = _Sweep(self, n_trials, timeout, callbacks, show_progress_bar)
+        with sweep.started():
+            feeders = [_JobFeeder(self, sweep, index) for index in range(len(self._devices))]
+            if len(feeders) == 1:
+                feeders[0].run()
+            else:
+                _run_in_threads([feeder.run for feeder in feeders], sweep)
+
+    # ------------------------------------------------------------------ sampling: all delegated
+
+    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        return self._sampler.infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study: Study, trial: FrozenTrial,
+                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+        return self._sampler.sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: BaseDistribution) -> Any:
+        return self._sampler.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study: Study, trial: FrozenTrial) -> None:
+        self._sampler.before_trial(study, trial)
+
+    def after_trial(self, study: Study, trial: FrozenTrial, state: TrialState,
+                    values: Optional[Sequence[float]]) -> None:
+        self._sampler.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self._sampler.reseed_rng()
+
+
+# --------------------------------------------------------------------------- one optimize call
+
+
+class _Sweep:
+    """The state of one `optimize` call, shared by its job feeders: the trial budget, the
+    clock, callbacks, the progress bar and this worker's heartbeat. Every call into the study
+    goes through here under one lock, so feeders on several devices can share it."""
+
+    def __init__(self, sampler: PackedLoRASampler, n_trials, timeout, callbacks, show_progress_bar):
+        self.sampler = sampler
+        self.study = sampler._study
+        self.n_trials = n_trials
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.callbacks = list(callbacks or [])
+        self.lock = threading.RLock()
+        self.aborted = threading.Event()  # a feeder failed: the others stop too
+        self.shared_storage = not isinstance(self.study._storage, InMemoryStorage)
+        self._next_stale_check = 0.0
+        self._bar_enabled = show_progress_bar
+        self.bar = None
+        self.heartbeat = None
+
+    @contextlib.contextmanager
+    def started(self):
+        self.study._stop_flag = False  # as Study.optimize does: a stop() of an earlier run is forgotten
+        with _inside_optimize(self.study):
+            if self.shared_storage:
+                self.heartbeat = _Heartbeat(self.study, self.sampler._worker_id, self.sampler._heartbeat_interval)
+                self.heartbeat.start()
+            self.restart_stale_trials()
+            done = _trials_toward_budget(self.study)
+            self.bar = tqdm(total=self.n_trials, initial=min(done, self.n_trials or done), desc="trials",
+                            unit="trial", disable=not self._bar_enabled, dynamic_ncols=True)
+            try:
+                yield
+            finally:
+                self.bar.close()
+                if self.heartbeat is not None:
+                    self.heartbeat.stop()
+
+    # ---- the budget
+
+    def may_ask(self) -> bool:
+        """Whether a new trial may start: not stopped, before the deadline, under `n_trials`."""
+        with self.lock:
+            if self.aborted.is_set() or self.study._stop_flag:
+                return False
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                return False
+            self.maybe_restart_stale_trials()
+            return self.n_trials is None or _trials_toward_budget(self.study) < self.n_trials
+
+    def restart_stale_trials(self) -> None:
+        if self.shared_storage:
+            with self.lock:
+                _restart_stale_trials(self.study, self.sampler._worker_id,
+                                      _STALE_AFTER_BEATS * self.sampler._heartbeat_interval)
+            self._next_stale_check = time.monotonic() + self.sampler._heartbeat_interval
+
+    def maybe_restart_stale_trials(self) -> None:
+        if time.monotonic() >= self._next_stale_check:
+            self.restart_stale_trials()
+
+    # ---- asking
+
+    def ask(self, trial_id_of: Callable[[Trial], str]) -> Optional[tuple[Trial, TrialConfig]]:
+        """A new trial and its `TrialConfig`. A trial whose config is invalid is told FAIL
+        here and None comes back; one the search-space function prunes is told PRUNED."""
+        sampler = self.sampler
+        with self.lock:
+            space = sampler._search_space
+            trial = self.study.ask(None if callable(space) else space)
+            if self.shared_storage:
+                self.study._storage.set_trial_system_attr(trial._trial_id, _WORKER, sampler._worker_id)
+            if self.heartbeat is not None:
+                self.heartbeat.add(trial._trial_id)
+            try:
+                cfg = _trial_config(trial, space, sampler._trial_defaults, trial_id_of(trial))
+            except ConfigError as err:
+                self.tell_failed(trial, str(err), pack_id=None)
+                return None
+            except TrialPruned:
+                self.tell(trial, state=TrialState.PRUNED)
+                return None
+            except Exception as err:
+                self.tell_failed(trial, f"the search space raised {type(err).__name__}: {err}")
+                raise
+            trial.set_user_attr("config", cfg.to_dict())
+            return trial, cfg
+
+    # ---- telling
+
+    def tell(self, trial: Trial, value: Optional[float] = None, state: TrialState = TrialState.COMPLETE,
+             **user_attrs: Any) -> None:
+        with self.lock:
+            for key, v in user_attrs.items():
+                trial.set_user_attr(key, v)
+            frozen = self.study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
+            if self.heartbeat is not None:
+                self.heartbeat.discard(trial._trial_id)
+            self.bar.update(1)
+            if self.bar.disable is False and _has_best(self.study):
+                self.bar.set_postfix(best=f"{self.study.best_value:.4g}", refresh=False)
+            for callback in self.callbacks:
+                callback(self.study, frozen)
+
+    def tell_failed(self, trial: Trial, reason: str, **user_attrs: Any) -> None:
+        logger.warning("Trial %d failed: %s", trial.number, reason)
+        self.tell(trial, state=TrialState.FAIL, fail_reason=reason, **user_attrs)
+
+    def interrupt(self, trials: Sequence[Trial], reason: str) -> None:
+        """Tell FAIL the trials a stopping sweep leaves unfinished and enqueue their params
+        again, as for a dead worker, so that the next `optimize` runs them from the start."""
+        with self.lock:
+            for trial in trials:
+                self.study._storage.set_trial_system_attr(trial._trial_id, _RESTARTED, True)
+                trial.set_user_attr("fail_reason", reason)
+                self.study.tell(trial, state=TrialState.FAIL)
+                self.study.enqueue_trial(trial.params, user_attrs={"restart_of": trial.number})
+                if self.heartbeat is not None:
+                    self.heartbeat.discard(trial._trial_id)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    trial: Trial
+    cfg: TrialConfig
+    metrics: dict = dataclasses.field(default_factory=dict)  # its last report's
+
+
+class _JobFeeder:
+    """Keeps one device's packed job full: asks trials while admission allows, turns the
+    job's events into Optuna reports and tells, and refills each slot a trial leaves."""
+
+    def __init__(self, sampler: PackedLoRASampler, sweep: _Sweep, index: int):
+        self.sampler = sampler
+        self.sweep = sweep
+        self.index = index
+        self.in_flight: dict[str, _InFlight] = {}  # engine trial_id -> trial, in join order
+        self.waiting: Optional[tuple[Trial, TrialConfig]] = None  # asked, waiting for room in the job
+
+    @property
+    def job(self) -> PackedJob:
+        """The device's packed job, created (the base model loaded) on first use."""
+        jobs = self.sampler._jobs
+        if jobs[self.index] is None:
+            spec = dataclasses.replace(self.sampler._spec, device=self.sampler._devices[self.index])
+            jobs[self.index] = PackedJob(spec, progress=False)
+        return jobs[self.index]
+
+    def run(self) -> None:
+        with _inside_optimize(self.sweep.study):
+            try:
+                self._loop()
+            except BaseException as err:
+                self.sweep.aborted.set()
+                self._interrupt(f"the sweep stopped: {type(err).__name__}: {err}")
+                raise
+            if self.in_flight or self.waiting:  # aborted because another device failed
+                self._interrupt("the sweep stopped because another device's job failed")
+
+    def _loop(self) -> None:
+        while not self.sweep.aborted.is_set():
+            self._fill()
+            if not self.in_flight:
+                return
+            try:
+                with contextlib.closing(self.job.run()) as events:
+                    for event in events:
+                        self._handle(event)
+                        if self.sweep.aborted.is_set():
+                            return
+            except torch.cuda.OutOfMemoryError as err:
+                # The engine shrinks its microbatches on OOM; an OOM that still escapes it is
+                # blamed on the newest trial, which leaves so the others can go on.
+                if not self.in_flight:
+                    raise
+                newest = list(self.in_flight)[-1]
+                self.job.remove_trial(newest)
+                torch.cuda.empty_cache()
+                self._end(newest, "fail", reason=f"out of memory: {err}")
+                continue
+            for trial_id in list(self.in_flight):  # run() ended: the job has no trial left
+                self._end(trial_id, "fail", reason="the packed job ended without finishing this trial")
+
+    # ---- filling the job
+
+    def _fill(self) -> None:
+        """Ask trials and add them to the job while it has room and the budget allows."""
+        while not self.sweep.aborted.is_set():
+            if self.waiting is None:
+                if not self.sweep.may_ask():
+                    return
+                self.waiting = self.sweep.ask(self._trial_id)
+                if self.waiting is None:  # its config was invalid: already told FAIL
+                    continue
+            trial, cfg = self.waiting
+            running = [f.cfg for f in self.in_flight.values()]
+            if not self.sampler._admission.admits(running, cfg):
+                if running:
+                    return  # it waits for a trial to leave
+                self.waiting = None
+                self.sweep.tell_failed(trial, self.sampler._admission.why_not(cfg), pack_id=None)
+                continue
+            self.waiting = None
+            self._join(trial, cfg)
+
+    def _trial_id(self, trial: Trial) -> str:
+        return f"{self.sweep.study.study_name}-trial-{trial.number}"
+
+    def _join(self, trial: Trial, cfg: TrialConfig) -> None:
+        job = self.job
+        with self.sweep.lock:
+            trial.set_user_attr("pack_id", job.pack_id)
+        self.in_flight[cfg.trial_id] = _InFlight(trial, cfg)
+        job.add_trial(cfg)
+
+    # ---- engine events -> Optuna
+
+    def _handle(self, event) -> None:
+        flight = self.in_flight.get(event.trial_id)
+        if flight is None:  # already told (pruned or failed) and on its way out of the job
+            return
+        if isinstance(event, Failed):
+            self._end(event.trial_id, "fail", reason=event.reason)
+            return
+        flight.metrics = event.metrics
+        value = self._value(event)
+        if not math.isfinite(value):
+            self.job.remove_trial(event.trial_id)
+            self._end(event.trial_id, "fail", reason=f"non-finite {self.sampler._metric} ({value}) "
+                                                      f"at step {event.step}")
+            return
+        if isinstance(event, Finished):
+            self._end(event.trial_id, "complete", value=value, adapter_dir=os.path.abspath(event.adapter_dir))
+            return
+        with self.sweep.lock:
+            flight.trial.report(value, event.step)
+            # The last report is the trial's value: a trial that trained to the end completes.
+            prune = event.step < flight.cfg.max_steps and flight.trial.should_prune()
+        if prune:
+            self.job.remove_trial(event.trial_id)
+            self._end(event.trial_id, "prune")
+
+    def _value(self, event: Union[Report, Finished]) -> float:
+        metric = self.sampler._metric
+        if metric not in event.metrics:
+            raise ValueError(f"The value of `metric` is {metric!r}, but the engine reports only "
+                           f"{sorted(event.metrics)}.")
+        return float(event.metrics[metric])
+
+    def _end(self, trial_id: str, outcome: str, value: Optional[float] = None, reason: str = "",
+             **user_attrs: Any) -> None:
+        """Tell Optuna how the trial ended, then refill its slot."""
+        flight = self.in_flight.pop(trial_id)
+        if "tokens_per_second" in flight.metrics:
+            user_attrs["tokens_per_second"] = flight.metrics["tokens_per_second"]
+        if outcome == "complete":
+            self.sweep.tell(flight.trial, value, **user_attrs)
+        elif outcome == "prune":
+            self.sweep.tell(flight.trial, state=TrialState.PRUNED, **user_attrs)
+        else:
+            self.sweep.tell_failed(flight.trial, reason, **user_attrs)
+        self._fill()
+
+    def _interrupt(self, reason: str) -> None:
+        trials = [f.trial for f in self.in_flight.values()] + ([self.waiting[0]] if self.waiting else [])
+        for trial_id in self.in_flight:
+            self.job.remove_trial(trial_id)  # outside run(): leaves at once, the job stays reusable
+        self.in_flight.clear()
+        self.waiting = None
+        self.sweep.interrupt(trials, reason)
+
+
+def _run_in_threads(targets: Sequence[Callable[[], None]], sweep: _Sweep) -> None:
+    """Run each device's feeder in its own thread; the first error stops them all and is raised."""
+    errors: list[BaseException] = []
+
+    def guarded(target):
+        try:
+            target()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller below
+            errors.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(t,), name=f"lora_sweep-device-{i}", daemon=True)
+               for i, t in enumerate(targets)]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(timeout=0.5)
+    except BaseException:  # Ctrl-C arrives here: stop the feeders, then let it through
+        sweep.aborted.set()
+        for thread in threads:
+            thread.join()
+        raise
+    if errors:
+        raise errors[0]
+
+
+# --------------------------------------------------------------------------- search spaces
+
+
+def _resolve_search_space(search_space: SearchSpace, trial_defaults: Mapping[str, Any]):
+    """A define-by-run function as given, or a dict of Optuna distributions (validated)."""
+    _space.check_space([], fixed=list(trial_defaults))
+    if callable(search_space):
+        return search_space
+    if search_space is None:
+        search_space = _space.default_space(fixed=list(trial_defaults))
+    if not isinstance(search_space, Mapping):
+        raise TypeError(f"The value of `search_space` is a {type(search_space).__name__}, but must be None, a "
+                        "function (optuna.Trial) -> TrialConfig, or a dict of name -> distribution.")
+    _space.check_space(list(search_space), fixed=list(trial_defaults))
+    return {name: _to_distribution(name, dim) for name, dim in search_space.items()}
+
+
+def _to_distribution(name: str, dim: Any) -> BaseDistribution:
+    if isinstance(dim, BaseDistribution):
+        return dim
+    if isinstance(dim, _space.Float):
+        return FloatDistribution(dim.low, dim.high, log=dim.log)
+    if isinstance(dim, _space.Int):
+        return IntDistribution(dim.low, dim.high, log=dim.log)
+    if isinstance(dim, _space.Categorical):
+        return CategoricalDistribution(dim.choices)
+    raise TypeError(f"The search space's `{name}` is a {type(dim).__name__}, but must be an Optuna "
+                    "distribution or a lora_sweep.space Float, Int or Categorical.")
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrialConfig)}
+
+
+def _trial_config(trial: Trial, search_space, trial_defaults: Mapping[str, Any], trial_id: str) -> TrialConfig:
+    """The trial's `TrialConfig`: its sampled params (or the define-by-run function's result),
+    completed by `trial_defaults`. An invalid value raises `ConfigError`."""
+    if callable(search_space):
+        result = search_space(trial)
+        if isinstance(result, TrialConfig):  # keep what the function set; defaults fill the rest
+            params = {k: getattr(result, k) for k in _FIELD_DEFAULTS if getattr(result, k) != _FIELD_DEFAULTS[k]}
+        elif isinstance(result, Mapping):
+            params = dict(result)
+        else:
+            raise TypeError(f"The search space function returned a {type(result).__name__}, but must return "
+                            "a TrialConfig or a dict of its fields.")
+    else:
+        params = dict(trial.params)
+    params.pop("trial_id", None)
+    return _space.config_from_params(params, trial_defaults, trial_id=trial_id)
+
+
+# --------------------------------------------------------------------------- admission
+
+
+class _Admission:
+    """Which asked trial may join a running job: at most `max_concurrent` adapters and, where
+    the planner's memory model can read the base model's config, only what fits the device.
+
+    `lora_sweep.planner.admit` is the hook; without the planner (or for a model factory,
+    whose config it cannot read) the cap alone decides.
+    """
+
+    def __init__(self, spec: JobSpec, max_concurrent: int):
+        self.max_concurrent = max_concurrent
+        self.cost_model = None
+        try:
+            from lora_sweep.costmodel import CostModel
+            from lora_sweep.planner import admit
+        except ImportError as err:
+            logger.info("No memory-based admission (%s); packing up to %d trials per job.", err, max_concurrent)
+            return
+        try:
+            self.cost_model = CostModel.from_model(spec)
+        except (TypeError, ValueError, OSError) as err:
+            logger.info("The cost model cannot describe this model (%s); packing up to %d trials per job.",
+                        err, max_concurrent)
+            return
+        self._admit = admit
+
+    def admits(self, running: Sequence[TrialConfig], cfg: TrialConfig) -> bool:
+        if len(running) >= self.max_concurrent:
+            return False
+        if self.cost_model is None:
+            return True
+        if not running and not self.cost_model.fits([cfg]):
+            return False
+        return bool(self._admit(running, [cfg], self.cost_model, max_adapters=self.max_concurrent))
+
+    def why_not(self, cfg: TrialConfig) -> str:
+        """Why a trial cannot run even alone (the cost model's message)."""
+        try:
+            self.cost_model.check_trial(cfg, 1)
+        except ConfigError as err:
+            return str(err)
+        return f"Trial {cfg.trial_id!r} does not fit in the device's memory."
+
+
+# --------------------------------------------------------------------------- workers and heartbeats
+
+
+class _Heartbeat:
+    """Tells other workers that this one is alive: every `interval` seconds, a thread stamps
+    the time into the study's system attrs under this worker's id. On an RDB storage with
+    Optuna's own heartbeat enabled it also records that heartbeat for each running trial,
+    so Optuna's `fail_stale_trials` treats them as alive too."""
+
+    def __init__(self, study: Study, worker_id: str, interval: float):
+        self.storage, self.study_id = study._storage, study._study_id
+        self.key = _HEARTBEAT + worker_id
+        self.interval = interval
+        self.optuna_heartbeat = is_heartbeat_enabled(self.storage)
+        if self.optuna_heartbeat:
+            self.interval = min(interval, self.storage.get_heartbeat_interval())
+        self.trial_ids: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lora_sweep-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def add(self, trial_id: int) -> None:
+        with self._lock:
+            self.trial_ids.add(trial_id)
+        if self.optuna_heartbeat:
+            self.storage.record_heartbeat(trial_id)
+
+    def discard(self, trial_id: int) -> None:
+        with self._lock:
+            self.trial_ids.discard(trial_id)
+
+    def beat(self) -> None:
+        self.storage.set_study_system_attr(self.study_id, self.key, time.time())
+        if self.optuna_heartbeat:
+            with self._lock:
+                trial_ids = list(self.trial_ids)
+            for trial_id in trial_ids:
+                self.storage.record_heartbeat(trial_id)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - a storage hiccup must not kill the sweep; beat again later
+                logger.warning("lora_sweep heartbeat failed; retrying in %.0f s", self.interval, exc_info=True)
+
+
+def _restart_stale_trials(study: Study, worker_id: str, stale_after: float) -> None:
+    """Tell FAIL the RUNNING trials of dead lora_sweep workers and enqueue their params again.
+
+    A worker is dead if it runs on this host and its process is gone, or if its heartbeat is
+    older than `stale_after` seconds. When two workers find the same trial, the storage lets
+    only one of them finish it, and only that one enqueues it again.
+    """
+    storage = study._storage
+    beats = storage.get_study_system_attrs(study._study_id)
+    now = time.time()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = t.system_attrs.get(_WORKER)
+        if owner is None or owner == worker_id or not _is_dead(owner, beats.get(_HEARTBEAT + owner), now,
+                                                                stale_after):
+            continue
+        try:
+            storage.set_trial_system_attr(t._trial_id, _RESTARTED, True)
+            storage.set_trial_user_attr(t._trial_id, "fail_reason",
+                                        f"worker {owner} stopped; restarted as a new trial")
+            study.tell(t.number, state=TrialState.FAIL)
+        except (UpdateFinishedTrialError, ValueError, RuntimeError):
+            continue  # another worker (or its owner, just in time) finished it first
+        study.enqueue_trial(t.params, user_attrs={"restart_of": t.number})
+        logger.warning("Trial %d was left RUNNING by worker %s, which stopped; its params are enqueued again.",
+                       t.number, owner)
+    if is_heartbeat_enabled(storage):  # trials of plain Optuna workers, failed by Optuna's own heartbeat
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+
+
+def _is_dead(worker_id: str, last_beat: Optional[float], now: float, stale_after: float) -> bool:
+    host, pid, _ = worker_id.rsplit(":", 2)
+    if host == socket.gethostname() and not _process_alive(int(pid)):
+        return True
+    return last_beat is None or now - last_beat > stale_after
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child that nobody has waited for yet is a zombie: dead for us
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _trials_toward_budget(study: Study) -> int:
+    """The trials `n_trials` counts: all but WAITING ones and those restarted after their worker died."""
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if t.state != TrialState.WAITING
+               and not (t.state == TrialState.FAIL and t.system_attrs.get(_RESTARTED)))
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+@contextlib.contextmanager
+def _inside_optimize(study: Study):
+    """Mark this thread as inside an optimize loop, as `Study.optimize` does, so that
+    `study.stop()` works from callbacks (Optuna allows it only there)."""
+    local = study._thread_local
+    before = local.in_optimize_loop
+    local.in_optimize_loop = True
+    try:
+        yield
+    finally:
+        local.in_optimize_loop = before
+
+
+def _resolve_devices(devices, spec: JobSpec) -> list[str]:
+    if devices is None:
+        return [spec.device]
+    devices = [f"cuda:{d}" if isinstance(d, int) and not isinstance(d, bool) else d for d in devices]
+    if not devices or not all(isinstance(d, str) and d for d in devices):
+        raise ValueError(f"The value of `devices` is {devices!r}, but must be None or a non-empty list of "
+                         "device names ('cuda:0') or CUDA indices.")
+    return devices
+
+
+def _has_best(study: Study) -> bool:
+    return any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
+
+
+def _warn_if_pruner_waits(study: Study, max_concurrent: int) -> None:
+    """Pruners that wait for completed trials prune nothing while the first packed trials,
+    which start together, are still running."""
+    pruner = study.pruner
+    complete = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    if isinstance(pruner, optuna.pruners.PercentilePruner):  # MedianPruner too
+        startup = getattr(pruner, "_n_startup_trials", 0)
+        if complete < startup:
+            warnings.warn(
+                f"{type(pruner).__name__} prunes nothing until n_startup_trials={startup} trials complete, and "
+                f"packed trials start together (up to {max_concurrent} at once): the first trials will not be "
+                "pruned. SuccessiveHalvingPruner or HyperbandPruner compare trials while they run.", stacklevel=3)
+    elif isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner) and pruner._min_resource is None:
+        if complete == 0:
+            warnings.warn("SuccessiveHalvingPruner(min_resource='auto') prunes nothing until a trial "
+                          "completes; pass min_resource (e.g. the JobSpec's eval_every) to prune packed trials "
+                          "from the start.", stacklevel=3)
+    elif isinstance(pruner, optuna.pruners.HyperbandPruner) and pruner._max_resource == "auto":
+        if complete == 0:
+            warnings.warn("HyperbandPruner(max_resource='auto') prunes nothing until a trial completes; pass "
+                          "max_resource=max_steps to prune packed trials from the start.", stacklevel=3)

@@ -1,0 +1,599 @@
+"""Ray Tune integration: every Tune trial trains a LoRA adapter packed with others on one base model.
+
+Tune starts one small *proxy* per trial (the function trainable `PackedExecutor.trainable`);
+the heavy work happens in *pack servers*, Ray actors that each hold a GPU (or the CPU) and one
+`PackedJob` whose base model is loaded once. The proxy only translates:
+
+    Tune config --TrialConfig--> pack server: add_trial --PackedJob.run()--> Report / Finished / Failed
+    tune.report(metrics, checkpoint) <---------------------- messages <----------'
+    Tune stops the trial (ASHA, a stopper, the end) ---> proxy's `finally` ---> pack server: remove_trial
+
+A pack server trains continuously: trials join and leave its running job between steps, and
+when no trial is left it waits for the next one instead of returning. Pack servers are
+spread over the cluster's nodes by Ray's own scheduler (their resources and the SPREAD
+strategy), so a multi-node Ray cluster is used without any other set-up.
+
+A proxy that dies without its `finally` (its process killed, its node lost) stops renewing
+its lease; the pack server drops the adapter once the lease expires.
+
+Example:
+
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    import lora_sweep as ls
+    from lora_sweep.integrations.ray_tune import PackedExecutor
+
+    spec = ls.JobSpec(base_model="Qwen/Qwen2.5-0.5B", train_data="train.jsonl", eval_data="eval.jsonl")
+    executor = PackedExecutor(spec)                      # one pack server per GPU of the cluster
+    analysis = executor.run(                             # = tune.run(executor.trainable, ...)
+        config={"rank": tune.choice([8, 16, 32]), "learning_rate": tune.loguniform(2e-5, 4e-4)},
+        num_samples=64, scheduler=ASHAScheduler(metric="eval_loss", mode="min"),
+    )
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+try:
+    import ray
+    from ray import tune
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "lora_sweep.integrations.ray_tune needs Ray Tune: pip install lora-sweep[ray]"
+    ) from e
+
+# Only the light config module at import time: a trial's proxy never loads torch. The pack
+# server imports the engine when it starts.
+from ..config import ConfigError, JobSpec, TrialConfig, check_against_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PackServer", "PackedExecutor", "TrialFailed", "NAMESPACE"]
+
+NAMESPACE = "lora_sweep"  # Ray namespace of the named pack-server actors
+
+
+class TrialFailed(RuntimeError):
+    """The engine removed the trial without finishing it (its loss or gradient stopped being
+    finite, or its pack server failed). Raised in the proxy, so Tune marks the trial ERROR."""
+
+
+# --------------------------------------------------------------------------- pack server
+
+
+@dataclass
+class _Message:
+    """What a pack server tells a trial's proxy: one per engine event of that trial."""
+
+    kind: str  # "report", "finished" or "failed"
+    step: int
+    metrics: dict = field(default_factory=dict)
+    adapter: Optional[dict[str, bytes]] = None  # PEFT adapter files, name -> content
+    reason: str = ""  # for "failed"
+
+
+@dataclass
+class _Slot:
+    """A trial registered with a pack server, from its join until its proxy has its last message."""
+
+    cfg: TrialConfig
+    deadline: float  # monotonic time at which the lease expires
+    in_job: bool = True  # False once it finished or failed (the message may still wait for pickup)
+    outbox: deque = field(default_factory=deque)
+
+
+class PackServer:
+    """One `PackedJob` in a Ray actor: the base model loaded once, trained continuously.
+
+    `PackedExecutor` starts these as threaded Ray actors (`max_concurrency` > 1): proxies call
+    `try_join`, `next_messages`, `heartbeat` and `leave` from Tune's trial actors while the
+    job's `run()` loop turns in a background thread. A second thread, the lease watchdog,
+    drops trials whose proxy stopped calling. Every join and leave is recorded (`history`).
+
+    Args:
+        spec:
+            The shared base model and data (paths must be reachable on this node).
+        pack_id:
+            The job's name; every report of its trials carries it.
+        max_adapters:
+            Most trials in the job at once.
+        lease_seconds:
+            A trial whose proxy has not called for this long is dropped.
+        checkpoint_every_report:
+            Send the current adapter with every report (else only with the final one).
+    """
+
+    def __init__(self, spec: JobSpec, pack_id: str, max_adapters: int = 8, lease_seconds: float = 60.0,
+                 checkpoint_every_report: bool = True):
+        from ..engine import PackedJob
+
+        self.job = PackedJob(spec, progress=False, pack_id=pack_id)  # loads the base model, once
+        self.model_loads = 1
+        self.max_adapters = max_adapters
+        self.lease_seconds = lease_seconds
+        self.checkpoint_every_report = checkpoint_every_report
+        self._memory_model = _memory_model(spec, self.job.device)
+        self._slots: dict[str, _Slot] = {}
+        self._left: dict[str, str] = {}  # trial_id -> why it left, for late callers
+        self._history: list[dict] = []
+        self._cond = threading.Condition()  # guards everything above; notified on any change
+        self._stopping = False
+        threading.Thread(target=self._train_forever, name="pack-train", daemon=True).start()
+        threading.Thread(target=self._expire_leases, name="pack-leases", daemon=True).start()
+
+    # ------------------------------------------------------------------ called by proxies
+
+    def try_join(self, config: dict, proxy: Optional[dict] = None) -> tuple[str, str]:
+        """Admit a trial if the job has room. Returns ("joined", pack_id), ("full", "") or
+        ("invalid", message) when the config cannot work with this model."""
+        cfg = TrialConfig.from_dict(config)
+        with self._cond:
+            if cfg.trial_id in self._slots or cfg.trial_id in self._left:
+                return "invalid", f"Trial {cfg.trial_id!r} has already been in pack {self.job.pack_id!r}."
+            try:
+                check_against_model(cfg, self.job.spec, self.job.module_shapes)
+                if not self._has_room(cfg):
+                    return "full", ""
+            except ConfigError as e:
+                return "invalid", str(e)
+            pack_mates = self._in_job()
+            self._slots[cfg.trial_id] = _Slot(cfg, time.monotonic() + self.lease_seconds)
+            self.job.add_trial(cfg)
+            self._record("join", cfg.trial_id, pack_mates=len(pack_mates), proxy=proxy or {})
+            self._cond.notify_all()
+        return "joined", self.job.pack_id
+
+    def next_messages(self, trial_id: str, timeout: float) -> list[_Message]:
+        """The trial's messages, waiting up to `timeout` seconds for one. Renews its lease."""
+        with self._cond:
+            slot = self._slots.get(trial_id)
+            if slot is None:
+                why = self._left.get(trial_id, "it never joined")
+                return [_Message("failed", 0, reason=f"the trial is not in pack {self.job.pack_id!r}: {why}")]
+            slot.deadline = time.monotonic() + self.lease_seconds
+            self._cond.wait_for(lambda: slot.outbox or self._slots.get(trial_id) is not slot, timeout)
+            messages = list(slot.outbox)
+            slot.outbox.clear()
+            if any(m.kind != "report" for m in messages):
+                self._slots.pop(trial_id, None)  # its proxy has the last word: forget it
+            return messages
+
+    def heartbeat(self, trial_id: str) -> bool:
+        """Renew the trial's lease; False if the server no longer knows it."""
+        with self._cond:
+            slot = self._slots.get(trial_id)
+            if slot is not None:
+                slot.deadline = time.monotonic() + self.lease_seconds
+            return slot is not None
+
+    def leave(self, trial_id: str, reason: str = "stopped") -> None:
+        """Drop the trial at the job's next step (Tune stopped it). Idempotent."""
+        with self._cond:
+            self._forget(trial_id, reason)
+
+    # ------------------------------------------------------------------ records
+
+    def stats(self) -> dict:
+        """Where this server runs and what it holds."""
+        with self._cond:
+            return {"pack_id": self.job.pack_id, "node_id": ray.get_runtime_context().get_node_id(),
+                    "device": str(self.job.device), "model_loads": self.model_loads,
+                    "active": len(self._in_job()), "max_adapters": self.max_adapters,
+                    "job_steps": len(self.job.step_stats)}
+
+    def load(self) -> tuple[int, int]:
+        """(trials in the job, most trials allowed)."""
+        with self._cond:
+            return len(self._in_job()), self.max_adapters
+
+    def history(self) -> list[dict]:
+        """Every join and leave: time, event, trial_id, pack_id, and for joins the number of
+        trials already training (`pack_mates`), for leaves the `reason`."""
+        with self._cond:
+            return list(self._history)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the training thread
+
+    def _train_forever(self) -> None:
+        """Run the job whenever it has trials; wait for the next one when it has none."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or self._in_job())
+                if self._stopping:
+                    return
+            try:
+                for event in self.job.run():  # returns when the last trial has left
+                    self._dispatch(event)
+            except Exception as e:  # a crashed step fails its trials, not the server
+                logger.exception("pack %s: the training loop failed", self.job.pack_id)
+                with self._cond:
+                    for trial_id in self._in_job():
+                        self.job.remove_trial(trial_id)
+                        self._finish(trial_id, _Message("failed", 0, reason=f"the pack server failed: {e!r}"))
+
+    def _dispatch(self, event) -> None:
+        """Turn one engine event into a message for the trial's proxy."""
+        from ..engine import Failed, Finished, Report
+
+        with self._cond:
+            slot = self._slots.get(event.trial_id)
+            if slot is None or not slot.in_job:
+                return  # it left already; the engine drops it at this step
+        metrics = {**getattr(event, "metrics", {}), "pack_id": self.job.pack_id}
+        if isinstance(event, Report):
+            if event.step >= slot.cfg.max_steps:
+                return  # the Finished event that follows carries the same metrics
+            adapter = self._current_adapter(event.trial_id) if self.checkpoint_every_report else None
+            message = _Message("report", event.step, metrics, adapter)
+        elif isinstance(event, Finished):
+            message = _Message("finished", event.step, metrics, _read_dir(event.adapter_dir))
+        else:
+            assert isinstance(event, Failed), event
+            message = _Message("failed", event.step, reason=event.reason)
+        with self._cond:
+            if self._slots.get(event.trial_id) is not slot or not slot.in_job:
+                return  # it left while we saved the adapter
+            if message.kind == "report":
+                slot.outbox.append(message)
+                self._cond.notify_all()
+            else:
+                self._finish(event.trial_id, message)
+
+    def _current_adapter(self, trial_id: str) -> dict[str, bytes]:
+        # Runs between steps in the training thread, so the weights are not moving.
+        path = tempfile.mkdtemp(prefix="lora_sweep_ckpt_")
+        try:
+            return _read_dir(self.job.save_adapter(trial_id, path))
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ leases
+
+    def _expire_leases(self) -> None:
+        """Drop trials whose proxy has not called within `lease_seconds` (it died)."""
+        while True:
+            with self._cond:
+                if self._cond.wait_for(lambda: self._stopping, timeout=min(1.0, self.lease_seconds / 4)):
+                    return
+                now = time.monotonic()
+                for trial_id in [t for t, s in self._slots.items() if s.deadline < now]:
+                    logger.warning("pack %s: trial %s lost its proxy; dropping it", self.job.pack_id, trial_id)
+                    self._forget(trial_id, "lease expired")
+
+    # ------------------------------------------------------------------ helpers (hold self._cond)
+
+    def _in_job(self) -> list[str]:
+        return [t for t, s in self._slots.items() if s.in_job]
+
+    def _has_room(self, cfg: TrialConfig) -> bool:
+        """Admission. The planner's memory model decides on a GPU; a count caps every pack."""
+        running = [self._slots[t].cfg for t in self._in_job()]
+        if len(running) >= self.max_adapters:
+            return False
+        if self._memory_model is None:
+            return True
+        from ..planner import admit
+
+        if admit(running, [cfg], self._memory_model):
+            return True
+        if not running:  # it does not fit even alone: it never will
+            self._memory_model.check_trial(cfg, 1)  # raises a ConfigError naming the memory it needs
+        return False
+
+    def _finish(self, trial_id: str, message: _Message) -> None:
+        """The trial's last message: it left the job (finished or failed)."""
+        slot = self._slots[trial_id]
+        slot.in_job = False
+        slot.outbox.append(message)
+        reason = "finished" if message.kind == "finished" else "failed"
+        self._left[trial_id] = reason
+        self._record("leave", trial_id, reason=reason)
+        self._cond.notify_all()
+
+    def _forget(self, trial_id: str, reason: str) -> None:
+        slot = self._slots.pop(trial_id, None)
+        if slot is None:
+            return
+        if slot.in_job:
+            self.job.remove_trial(trial_id)
+            self._left[trial_id] = reason
+            self._record("leave", trial_id, reason=reason)
+        self._cond.notify_all()
+
+    def _record(self, event: str, trial_id: str, **details) -> None:
+        self._history.append({"time": time.time(), "event": event, "trial_id": trial_id,
+                              "pack_id": self.job.pack_id, "active": len(self._in_job()), **details})
+
+
+def _memory_model(spec: JobSpec, device) -> Optional[Any]:
+    """The planner's cost model for memory-based admission on a GPU; None on the CPU or when
+    the planner cannot model this base model (then only `max_adapters` limits a pack)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from ..costmodel import CostModel
+
+        return CostModel.from_model(spec)
+    except Exception as e:  # noqa: BLE001 - admission falls back to a count
+        logger.warning("no memory model for %s (%s); packs are limited by max_adapters only", spec.model_name, e)
+        return None
+
+
+def _read_dir(path: str) -> dict[str, bytes]:
+    """A saved adapter's files, to ship to a proxy that may be on another node."""
+    files = {}
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            files[name] = f.read()
+    return files
+
+
+# --------------------------------------------------------------------------- the proxy (one per Tune trial)
+
+
+@dataclass(frozen=True)
+class _ProxySettings:
+    server_names: tuple[str, ...]
+    poll_seconds: float  # longest wait in one `next_messages` call
+    heartbeat_seconds: float  # lease renewal period while blocked in tune.report
+
+
+def _run_trial(config: dict, settings: _ProxySettings) -> None:
+    """The body of every Tune trial: join a pack, relay its messages to Tune, leave."""
+    trial_id = tune.get_context().get_trial_id()
+    cfg = TrialConfig.from_dict(config, trial_id=trial_id)  # a bad value: ConfigError, the trial is ERROR
+    servers = [ray.get_actor(name, namespace=NAMESPACE) for name in settings.server_names]
+    server, pack_id = _join_a_pack(servers, cfg, settings.poll_seconds)
+    heartbeat = _Heartbeat(server, trial_id, settings.heartbeat_seconds)
+    try:
+        while True:
+            for message in ray.get(server.next_messages.remote(trial_id, settings.poll_seconds)):
+                if message.kind == "failed":
+                    raise TrialFailed(f"Trial {trial_id!r} failed in pack {pack_id!r}: {message.reason}")
+                _report(message)  # raises SystemExit when Tune stops the trial
+                if message.kind == "finished":
+                    return
+    finally:  # finished, failed, or stopped by Tune: free the slot at the job's next step
+        heartbeat.stop()
+        try:
+            ray.get(server.leave.remote(trial_id), timeout=30)
+        except Exception:  # noqa: BLE001 - the lease drops it anyway
+            logger.warning("trial %s could not leave pack %s; its lease will expire", trial_id, pack_id)
+
+
+def _join_a_pack(servers: list, cfg: TrialConfig, poll_seconds: float) -> tuple[Any, str]:
+    """Register the trial with the least loaded pack server that admits it; wait while all are full."""
+    proxy = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+    while True:
+        loads = ray.get([s.load.remote() for s in servers])
+        order = sorted(range(len(servers)), key=lambda i: (loads[i][0] / loads[i][1], random.random()))
+        for i in order:
+            status, detail = ray.get(servers[i].try_join.remote(cfg.to_dict(), proxy))
+            if status == "joined":
+                return servers[i], detail
+            if status == "invalid":
+                raise ConfigError(detail, trial_id=cfg.trial_id)
+        time.sleep(poll_seconds)  # every pack is full: a slot frees when a trial leaves
+
+
+def _report(message: _Message) -> None:
+    """tune.report with the adapter (PEFT format) as the checkpoint."""
+    if message.adapter is None:
+        tune.report(message.metrics)
+        return
+    path = tempfile.mkdtemp(prefix="lora_sweep_adapter_")
+    try:
+        for name, content in message.adapter.items():
+            with open(os.path.join(path, name), "wb") as f:
+                f.write(content)
+        tune.report(message.metrics, checkpoint=tune.Checkpoint.from_directory(path))  # copied to storage
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class _Heartbeat:
+    """Renews a trial's lease from a background thread while the proxy lives, so time spent
+    blocked in `tune.report` never counts as a dead proxy."""
+
+    def __init__(self, server, trial_id: str, every: float):
+        self._stopped = threading.Event()
+
+        def beat():
+            while not self._stopped.wait(every):
+                server.heartbeat.remote(trial_id)
+
+        threading.Thread(target=beat, name=f"heartbeat-{trial_id}", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+# --------------------------------------------------------------------------- the executor
+
+
+class PackedExecutor:
+    """Start pack servers on a Ray cluster and give Tune a trainable that trains on them.
+
+    By default there is one pack server per GPU of the cluster (one on the CPU when the
+    cluster has none), spread over the nodes by Ray. Every Tune trial of `trainable` is a
+    light proxy (0.1 CPU) that joins the least loaded pack with room and relays the adapter's
+    `eval_loss`, `train_loss`, `step`, `tokens_per_second`, `learning_rate` and `pack_id`
+    with a checkpoint that holds the adapter in PEFT format. A trial Tune stops leaves its
+    pack at the next step and its slot goes to the next trial Tune starts.
+
+    Example:
+
+        executor = PackedExecutor(spec, max_adapters_per_server=16)
+        analysis = executor.run(config={"rank": tune.choice([8, 16])}, num_samples=32,
+                                scheduler=ASHAScheduler(metric="eval_loss", mode="min"))
+        # or: tune.Tuner(executor.trainable, param_space=...,
+        #                tune_config=tune.TuneConfig(max_concurrent_trials=executor.capacity)).fit()
+
+    Args:
+        spec:
+            The shared base model and data. Data files are read here and shipped to the pack
+            servers; the base model (a hub id or a directory) must be reachable on every node.
+        num_servers:
+            Pack servers to start; None: the cluster's GPUs divided by the GPUs per server,
+            or 1 without GPUs.
+        resources_per_server:
+            Ray resources of one pack server, e.g. ``{"CPU": 4, "GPU": 1}`` or a custom
+            resource that pins servers to nodes; None: ``{"CPU": 1, "GPU": 1}`` on a GPU
+            cluster, ``{"CPU": 1}`` otherwise.
+        max_adapters_per_server:
+            Most trials packed in one job. On a GPU the planner's memory model may admit fewer.
+        proxy_resources:
+            Ray resources of one trial's proxy.
+        lease_seconds:
+            A pack server drops a trial whose proxy has not been heard from for this long.
+        checkpoint_every_report:
+            Attach the adapter to every report (lets Tune keep the best checkpoint); False:
+            only the final report has one, which saves a save per evaluation.
+        poll_seconds:
+            Longest wait of a proxy's call for news (also how often a waiting proxy retries).
+        name:
+            Prefix of the pack servers' actor names in the ``"lora_sweep"`` namespace.
+        startup_timeout_s:
+            How long to wait for all pack servers to load the model; None: forever (an
+            autoscaling cluster may need to add nodes first).
+    """
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        num_servers: Optional[int] = None,
+        resources_per_server: Optional[dict[str, float]] = None,
+        max_adapters_per_server: int = 8,
+        proxy_resources: Optional[dict[str, float]] = None,
+        lease_seconds: float = 60.0,
+        checkpoint_every_report: bool = True,
+        poll_seconds: float = 1.0,
+        name: Optional[str] = None,
+        startup_timeout_s: Optional[float] = 600.0,
+    ):
+        if not isinstance(max_adapters_per_server, int) or max_adapters_per_server < 1:
+            raise ValueError(f"The value of `max_adapters_per_server` is {max_adapters_per_server!r}, "
+                             "but must be an integer >= 1.")
+        if not lease_seconds > poll_seconds > 0:
+            raise ValueError(f"The values of `lease_seconds` ({lease_seconds}) and `poll_seconds` "
+                             f"({poll_seconds}) must satisfy `lease_seconds > poll_seconds > 0`.")
+        if not ray.is_initialized():
+            ray.init()
+        self.spec = _portable(spec)
+        self.name = name or f"lora_sweep-{uuid.uuid4().hex[:8]}"
+        resources = dict(resources_per_server or _default_server_resources())
+        if num_servers is None:
+            num_servers = _default_num_servers(resources)
+        if not isinstance(num_servers, int) or num_servers < 1:
+            raise ValueError(f"The value of `num_servers` is {num_servers!r}, but must be an integer >= 1.")
+        self.max_adapters_per_server = max_adapters_per_server
+
+        # One actor per pack server; SPREAD puts them on different nodes where resources allow.
+        self.server_names = tuple(f"{self.name}-{i}" for i in range(num_servers))
+        self.servers = [
+            ray.remote(PackServer).options(
+                name=server_name, namespace=NAMESPACE, max_concurrency=2 * max_adapters_per_server + 16,
+                scheduling_strategy="SPREAD", **_actor_resources(resources),
+            ).remote(self.spec, pack_id=server_name, max_adapters=max_adapters_per_server,
+                     lease_seconds=lease_seconds, checkpoint_every_report=checkpoint_every_report)
+            for server_name in self.server_names
+        ]
+        try:
+            ray.get([s.stats.remote() for s in self.servers], timeout=startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise RuntimeError(f"{num_servers} pack server(s) with resources {resources} did not start within "
+                               f"{startup_timeout_s} s; the cluster has {ray.cluster_resources()}.") from None
+
+        settings = _ProxySettings(self.server_names, poll_seconds, heartbeat_seconds=lease_seconds / 5)
+
+        def lora_sweep_trial(config):
+            return _run_trial(config, settings)
+
+        self.trainable: Callable = tune.with_resources(lora_sweep_trial, proxy_resources or {"CPU": 0.1})
+
+    @property
+    def capacity(self) -> int:
+        """Trials that can train at once: Tune's `max_concurrent_trials`."""
+        return len(self.servers) * self.max_adapters_per_server
+
+    def run(self, **tune_run_kwargs):
+        """`tune.run(self.trainable, **tune_run_kwargs)`, by default with `max_concurrent_trials`
+        set to the packs' capacity and `reuse_actors=True` (a freed slot is refilled in
+        milliseconds instead of waiting for a new proxy process)."""
+        tune_run_kwargs.setdefault("max_concurrent_trials", self.capacity)
+        tune_run_kwargs.setdefault("reuse_actors", True)
+        return tune.run(self.trainable, **tune_run_kwargs)
+
+    def stats(self) -> list[dict]:
+        """Each pack server's `PackServer.stats()`: pack_id, node_id, device, model_loads, ..."""
+        return ray.get([s.stats.remote() for s in self.servers])
+
+    def history(self) -> list[dict]:
+        """All pack servers' joins and leaves, in time order."""
+        return sorted((e for h in ray.get([s.history.remote() for s in self.servers]) for e in h),
+                      key=lambda e: e["time"])
+
+    def shutdown(self) -> None:
+        """Stop the pack servers and free their GPUs."""
+        for server in self.servers:
+            ray.kill(server)
+        self.servers = []
+
+    def __enter__(self) -> "PackedExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _portable(spec: JobSpec) -> JobSpec:
+    """The spec as pack servers on any node can use it: data rows instead of file paths,
+    absolute local paths."""
+    from ..data import load_rows
+
+    changes: dict[str, Any] = {"output_dir": os.path.abspath(spec.output_dir)}
+    for name in ("train_data", "eval_data"):
+        value = getattr(spec, name)
+        if isinstance(value, (str, os.PathLike)):
+            changes[name] = load_rows(value, name)
+    if isinstance(spec.base_model, str) and os.path.isdir(spec.base_model):
+        changes["base_model"] = os.path.abspath(spec.base_model)
+    return dataclasses.replace(spec, **changes)
+
+
+def _default_server_resources() -> dict[str, float]:
+    return {"CPU": 1, "GPU": 1} if ray.cluster_resources().get("GPU", 0) >= 1 else {"CPU": 1}
+
+
+def _default_num_servers(resources: dict[str, float]) -> int:
+    gpus_per_server = resources.get("GPU", 0)
+    if not gpus_per_server:
+        return 1
+    return max(1, int(ray.cluster_resources().get("GPU", 0) // gpus_per_server))
+
+
+def _actor_resources(resources: dict[str, float]) -> dict:
+    """{"CPU": 1, "GPU": 1, "node_a": 1} -> .options(num_cpus=1, num_gpus=1, resources={"node_a": 1})."""
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU", "cpu", "gpu")}
+    return {"num_cpus": resources.get("CPU", resources.get("cpu", 0)),
+            "num_gpus": resources.get("GPU", resources.get("gpu", 0)),
+            **({"resources": custom} if custom else {})}

@@ -65,7 +65,6 @@ SearchSpace = Union[None, Callable[[Trial], Union[TrialConfig, Mapping[str, Any]
 
 # Bookkeeping in the storage, shared by all workers of a study.
 _WORKER = "lora_sweep:worker"  # trial system attr: id of the worker running it
-_RESTARTED = "lora_sweep:restarted"  # trial system attr: FAILed because its worker died; params re-enqueued
 _HEARTBEAT = "lora_sweep:heartbeat:"  # study system attr prefix: + worker id -> last time.time() it was alive
 _STALE_AFTER_BEATS = 3  # a worker silent for this many heartbeat intervals is dead
 
@@ -209,8 +208,8 @@ class PackedLoRASampler(BaseSampler):
         finished (COMPLETE, PRUNED or FAIL) and those other workers are running count, so
         running `optimize` again on a resumed study, or on several workers with the same
         `n_trials`, ends with that many trials. Trials that a dead worker left RUNNING are
-        told FAIL, marked as restarted (they do not count) and their params enqueued again,
-        so they train anew from step 0. Workers racing for the last trials may overshoot
+        told FAIL with the user attr ``requeued`` (they do not count) and their params
+        enqueued again, so they train anew from step 0 as new trials (user attr ``restart_of``). Workers racing for the last trials may overshoot
         the total by one trial each, as with Optuna's `MaxTrialsCallback`.
 
         After `timeout` no new trial starts; running ones finish. `study.stop()` in a
@@ -386,8 +385,8 @@ class _Sweep:
         again, as for a dead worker, so that the next `optimize` runs them from the start."""
         with self.lock:
             for trial in trials:
-                self.study._storage.set_trial_system_attr(trial._trial_id, _RESTARTED, True)
-                trial.set_user_attr("fail_reason", reason)
+                trial.set_user_attr("fail_reason", f"{reason}; its params are enqueued again")
+                trial.set_user_attr("requeued", True)
                 self.study.tell(trial, state=TrialState.FAIL)
                 self.study.enqueue_trial(trial.params, user_attrs={"restart_of": trial.number})
                 if self.heartbeat is not None:
@@ -740,9 +739,9 @@ def _restart_stale_trials(study: Study, worker_id: str, stale_after: float) -> N
                                                                 stale_after):
             continue
         try:
-            storage.set_trial_system_attr(t._trial_id, _RESTARTED, True)
             storage.set_trial_user_attr(t._trial_id, "fail_reason",
-                                        f"worker {owner} stopped; restarted as a new trial")
+                                        f"worker {owner} stopped; its params are enqueued again")
+            storage.set_trial_user_attr(t._trial_id, "requeued", True)
             study.tell(t.number, state=TrialState.FAIL)
         except (UpdateFinishedTrialError, ValueError, RuntimeError):
             continue  # another worker (or its owner, just in time) finished it first
@@ -777,10 +776,11 @@ def _process_alive(pid: int) -> bool:
 
 
 def _trials_toward_budget(study: Study) -> int:
-    """The trials `n_trials` counts: all but WAITING ones and those restarted after their worker died."""
+    """The trials `n_trials` counts: all but WAITING ones and the FAILed ones whose params were
+    enqueued again (their worker died or the sweep was interrupted)."""
     return sum(1 for t in study.get_trials(deepcopy=False)
                if t.state != TrialState.WAITING
-               and not (t.state == TrialState.FAIL and t.system_attrs.get(_RESTARTED)))
+               and not (t.state == TrialState.FAIL and t.user_attrs.get("requeued")))
 
 
 # --------------------------------------------------------------------------- small helpers

@@ -760,19 +760,23 @@ def profile_job(job: Any, steps: int = 10, *, warmup: int = 1) -> list[dict]:
     Returns:
         The step stats, one dict per step.
     """
-    start = len(job.step_stats)
-    stats: list[dict] = []
+    start, stats, rank_sum = len(job.step_stats), [], 0
+
+    def collect_new_steps():
+        stats.extend({"rank_sum": rank_sum, **s} for s in job.step_stats[start + len(stats):])
+
     events = job.run()
     try:
         for _ in events:
             # the job's adapters now; right for the steps since the last event as long as no
             # trial joined or left in between (profile trials that outlast the profile)
             rank_sum = sum(t.rank for t in job.trials.values())
-            stats += [{"rank_sum": rank_sum, **s} for s in job.step_stats[start + len(stats):]]
+            collect_new_steps()
             if len(stats) >= warmup + steps:
                 break
     finally:
         events.close()
+    collect_new_steps()  # steps after the last event, if the job ended
     stats = stats[warmup: warmup + steps]
     if len(stats) < steps:
         warnings.warn(f"The job finished after {len(stats)} profiled steps, fewer than the {steps} asked for.")

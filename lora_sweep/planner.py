@@ -660,7 +660,7 @@ def pack_microbatches(
             bins = better
     elif time_limit <= 0:
         logger.info("pack_microbatches: no time for the MILP; using first-fit-decreasing.")
-    return oversized + _largest_first(bins, lengths)
+    return _largest_first(oversized + bins, lengths)
 
 
 def _first_fit_decreasing(items: list[int], lengths: list[int], capacity: int) -> list[list[int]]:

@@ -1,0 +1,87 @@
+"""`lora-sweep plan`: a sweep YAML in, a table on stdout and a Gantt PNG out."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from lora_sweep.cli import main, read_sweep, sweep_trials
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "sweep.yaml")
+
+
+def _is_png(path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_the_example_sweep(tmp_path, capsys):
+    gantt = tmp_path / "plan.png"
+    assert main(["plan", EXAMPLE, "--gantt", str(gantt)]) == 0
+    out = capsys.readouterr().out
+    assert _is_png(gantt)
+    lines = out.splitlines()
+    assert lines[0].startswith("120 trials of qwen2.5-7b") and "8 x h100-sxm" in lines[0]
+    assert any(line.split()[:3] == ["job", "gpus", "start"] for line in lines)
+    summary = next(line for line in lines if line.startswith("120 trials in"))
+    assert "makespan" in summary and "lower bound" in summary and "0 failed" in summary
+    assert lines[-1] == f"Gantt chart: {gantt}"
+
+
+def test_example_sweep_is_plora_table1():
+    sweep = read_sweep(EXAMPLE)
+    trials = sweep_trials(sweep)
+    assert len(trials) == 120 and len({t.trial_id for t in trials}) == 120
+    assert all(2e-5 <= t.learning_rate <= 4e-4 and 1 <= t.batch_size <= 32 and 8 <= t.rank <= 128 for t in trials)
+    assert all(t.rank / 4 - 1e-9 <= t.alpha <= 4 * t.rank + 1e-9 and t.max_steps == 200 for t in trials)
+    assert sweep_trials(sweep) == trials  # seeded
+
+
+def test_plan_explicit_trials_and_a_dict_model(tmp_path, capsys, monkeypatch):
+    sweep = {
+        "model": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                  "tie_word_embeddings": True},
+        "gpus": 2, "gpu_memory_gb": 24, "gpu": "l4", "max_seq_len": 256, "steps": 50,
+        "trials": [{"rank": 16, "alpha": 32, "learning_rate": "2e-4", "batch_size": 4, "trial_id": "small"},
+                   {"rank": 64, "alpha": 16, "learning_rate": 1.0e-4, "batch_size": 2},
+                   {"rank": 8, "alpha": 8, "batch_size": 4096, "trial_id": "huge"}],
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match="'huge'"):
+        assert main(["plan", str(path), "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert _is_png(tmp_path / "sweep_plan.png")  # default: <sweep>_plan.png here
+    assert "small(16/4)" in out and "t001(64/2)" in out and "failed: Trial 'huge': needs" in out
+    assert "on 1 x l4 (24 GB" in out
+
+
+def test_plan_reports_bad_sweep_files(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: qwen2.5-7b\nnum_gpus: 8\n")
+    assert main(["plan", str(path)]) == 2
+    assert "unknown key(s) ['num_gpus']" in capsys.readouterr().err
+    path.write_text("model: qwen2.5-7b\nsearch_space: {rank: 16}\n")
+    assert main(["plan", str(path)]) == 2
+    assert "`rank`" in capsys.readouterr().err
+
+
+def test_plan_with_a_saved_cost_model(tmp_path, capsys):
+    from lora_sweep.costmodel import CostModel
+
+    saved = tmp_path / "cm.json"
+    CostModel.from_model("llama-3.2-1b", gpu="a10g", max_seq_len=256).save(saved)
+    assert main(["plan", EXAMPLE, "--calibration", str(saved), "--gantt", str(tmp_path / "p.png")]) == 0
+    assert "on 8 x a10g (24 GB" in capsys.readouterr().out
+
+
+def test_subcommands():
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    with pytest.raises(SystemExit):
+        main(["plan"])  # the sweep file is required

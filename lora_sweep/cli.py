@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus", type=int, help="override the file's `gpus`")
     plan.add_argument("--gpu-memory-gb", type=float, help="override the file's `gpu_memory_gb`")
     plan.add_argument("--gpu", help="override the file's `gpu` (step-time profile)")
-    plan.add_argument("--calibration", help="a cost model saved by `CostModel.save` (from `calibrate`)")
+    plan.add_argument("--calibration", help="a cost model saved by `CostModel.save` (e.g. after `calibrate`); "
+                      "its model, GPU, sequence length and dtype replace the file's")
     plan.set_defaults(func=_plan)
 
     demo = commands.add_parser("demo", help="train a tiny packed sweep on this machine")

@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -277,7 +277,7 @@ class Calibration:
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAPTER_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + AdamW's two fp32 moments
-LOGITS_BYTES = 4 * 2  # fp32 logits and their gradient
+LOGITS_BYTES = 4 * 2  # a chunk's fp32 logits and one fp32 temporary of the same size (logsumexp, softmax)
 
 
 @dataclass
@@ -299,8 +299,8 @@ class CostModel:
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
     gradient_checkpointing: bool = False
     load_factor: float = 0.9  # PLoRA's C: the usable fraction of each GPU's memory
-    loss_chunk_tokens: int = 2048  # rows of fp32 logits the engine's chunked loss holds at once
-    calibration: Calibration = None  # None: the roofline defaults of `gpu`
+    loss_chunk_tokens: Optional[int] = None  # rows of logits the chunked loss holds; None: the engine's default
+    calibration: Optional[Calibration] = None  # None: the roofline defaults of `gpu`
 
     def __post_init__(self):
         if self.dtype not in _DTYPE_BYTES:
@@ -311,6 +311,8 @@ class CostModel:
             raise ValueError(f"The value of `max_seq_len` is {self.max_seq_len}, but must be `max_seq_len >= 1`.")
         self.target_modules = tuple(self.target_modules)
         self.shape.lora_dims(self.target_modules)  # unknown module names fail here
+        if self.loss_chunk_tokens is None:  # as kernels.lm_loss.default_chunk_rows: 256 MiB of fp32 logits
+            self.loss_chunk_tokens = max(16, min(4096, (1 << 26) // self.shape.vocab_size // 16 * 16))
         if self.calibration is None:
             self.calibration = Calibration.roofline(self.gpu)
 
@@ -364,8 +366,12 @@ class CostModel:
         gpu = detect() if gpu is None else gpu_profile(gpu)
         if gpu_memory_gb is not None:
             gpu = dataclasses.replace(gpu, memory_gb=float(gpu_memory_gb))
-        pick = lambda value, name, default: value if value is not None else (  # noqa: E731
-            getattr(spec, name) if spec is not None else default)
+
+        def pick(value, name, default):  # the argument, else the spec's field, else the default
+            if value is not None:
+                return value
+            return getattr(spec, name) if spec is not None else default
+
         dtype = pick(dtype, "dtype", "auto")
         if dtype == "auto":
             dtype = "float32" if gpu.name == "cpu" else "bfloat16"
@@ -394,19 +400,21 @@ class CostModel:
         return self.shape.num_layers * self.shape.lora_dims(self.target_modules)
 
     def _base_activation_bytes_per_token(self) -> float:
-        s = self.shape
+        s, b = self.shape, self.dtype_bytes
         # What one decoder layer keeps for the backward pass, per token (frozen weights, so
-        # nothing is kept for weight gradients; attention is flash/SDPA, so no seq x seq scores):
+        # nothing is kept for weight gradients; attention is flash/SDPA, so no seq x seq scores;
+        # the fused LoRA kernels regenerate dropout masks, so no dropped copies of x):
         per_layer = (
-            2 * s.hidden_size  # inputs of the two RMSNorms (the residual stream)
-            + 2 * s.hidden_size  # their outputs: inputs of q/k/v and of gate/up
-            + s.q_dim + 2 * s.kv_dim  # q, k, v after RoPE, for the attention backward
-            + s.q_dim  # attention output, the input of o_proj
-            + 3 * s.intermediate_size  # gate and up outputs and act(gate) * up, the input of down_proj
+            2 * 4 * s.hidden_size  # the two RMSNorms keep their input in fp32 (transformers upcasts)
+            + b * 2 * s.hidden_size  # their outputs: inputs of q/k/v and of gate/up
+            + b * (s.q_dim + 2 * s.kv_dim)  # q, k, v after RoPE, for the attention backward
+            + b * s.q_dim  # attention output, the input of o_proj
+            + b * 3 * s.intermediate_size  # gate and up outputs and act(gate) * up, the input of down_proj
         )
+        head = 4 * s.hidden_size + b * s.hidden_size  # final norm's fp32 input; the loss's d/d(hidden)
         if self.gradient_checkpointing:  # layer inputs only, plus one layer being recomputed
-            return (s.num_layers * s.hidden_size + per_layer) * self.dtype_bytes
-        return s.num_layers * per_layer * self.dtype_bytes
+            return s.num_layers * b * s.hidden_size + per_layer + head
+        return s.num_layers * per_layer + head
 
     def _lora_activation_bytes_per_rank_token(self) -> float:
         # Each adapted module keeps S = dropout(x) @ A, a (tokens, rank) tensor, for dB = S^T dY.
@@ -544,6 +552,11 @@ class CostModel:
     def fits(self, trials: Sequence[TrialConfig], num_gpus: int = 1) -> bool:
         """Whether `trials` packed on `num_gpus` stay within the load factor of each GPU's memory."""
         return self.memory_per_gpu(trials, num_gpus) <= self.capacity_bytes
+
+    def trial_budget(self, num_gpus: int = 1) -> float:
+        """Bytes left for trials in a job on `num_gpus` GPUs, summed over them: the jobs whose
+        ``sum(trial_memory)`` stays within it fit."""
+        return num_gpus * (self.capacity_bytes - self.calibration.workspace_bytes) - self.static_memory()
 
     def static_memory(self) -> float:
         """Bytes of a job without adapters (weights, logits), summed over its GPUs; the

@@ -206,7 +206,7 @@ class _JobMILP:
         self.seconds = np.array([cm.trial_step_seconds(t, d) * t.max_steps for t in trials])
         self.fixed = cm.fixed_step_seconds(d)
         self.memory = np.array([cm.trial_memory(t) for t in trials]) / GB
-        self.budget = (d * (cm.capacity_bytes - cm.calibration.workspace_bytes) - cm.static_memory()) / GB
+        self.budget = cm.trial_budget(d) / GB
         self.max_adapters = max_adapters
 
         self.x = cp.Variable(n, boolean=True)
@@ -357,8 +357,10 @@ def plan(
        time first, so that long trials do not end up last); a trial that needs more GPUs
        than are free reserves them, and jobs started meanwhile must end before that.
     2. For every GPU count d (1, 2, 4, ... up to the free GPUs) `best_job` packs the
-       highest-throughput job around the anchor (a MILP), and the d with the best throughput
-       per GPU wins (PLoRA's DTM).
+       highest-throughput job around the anchor (a MILP, linearised by Dinkelbach's method),
+       and the d with the best throughput per GPU wins (PLoRA's DTM). Pack-mates on d GPUs
+       are only trials that cost no more GPU time there than in jobs of their own size, so
+       an anchor that needs many GPUs does not drag small trials onto slower, wider jobs.
     3. Tail effect: a job may not run past the time at which all GPUs would be done if the
        remaining work were spread evenly (unless its anchor alone takes longer), so the last
        jobs get fewer trials and end together; and a job that takes the last pending trials
@@ -445,8 +447,7 @@ class _Scheduler:
         """GPU-seconds a trial will cost once packed: its own step time, plus the fixed step
         time shared with as many such trials as fit in one job."""
         cm = self.cm
-        budget = d * (cm.capacity_bytes - cm.calibration.workspace_bytes) - cm.static_memory()
-        peers = max(1, min(int(budget // max(cm.trial_memory(trial), 1.0)), self.max_adapters or 10**9))
+        peers = max(1, min(int(cm.trial_budget(d) // max(cm.trial_memory(trial), 1.0)), self.max_adapters or 10**9))
         return d * trial.max_steps * (cm.trial_step_seconds(trial, d) + cm.fixed_step_seconds(d) / peers)
 
     def milp(self, d: int) -> _JobMILP:
@@ -587,8 +588,7 @@ def admit(
         cm = CostModel.from_model(model_config, cost_model_kwargs.pop("gpu"), **cost_model_kwargs)
     if gpu_memory_gb is not None and gpu_memory_gb != cm.gpu.memory_gb:
         cm = dataclasses.replace(cm, gpu=dataclasses.replace(cm.gpu, memory_gb=gpu_memory_gb))
-    budget = num_gpus * (cm.capacity_bytes - cm.calibration.workspace_bytes) - cm.static_memory()
-    budget -= sum(cm.trial_memory(t) for t in running_trials)
+    budget = cm.trial_budget(num_gpus) - sum(cm.trial_memory(t) for t in running_trials)
     slots = math.inf if max_adapters is None else max_adapters - len(running_trials)
     admitted = []
     for trial in pending_trials:

@@ -11,7 +11,7 @@ import pytest
 
 from lora_sweep.config import ConfigError, JobSpec, TrialConfig
 from lora_sweep.costmodel import (
-    GB, GPUS, PRESETS, Calibration, CostModel, ModelShape, calibrate, detect, gpu_counts, gpu_profile,
+    GB, GPUS, Calibration, CostModel, ModelShape, calibrate, detect, gpu_counts, gpu_profile,
     model_config_fields, profile_job,
 )
 
@@ -126,6 +126,15 @@ def test_memory_terms(cm):
     assert 3 * GB < terms["base_activations"] < 40 * GB
     halves = cm.memory_terms(4096, 64 * 4096, 64, num_gpus=2)
     assert all(halves[k] == pytest.approx(v / 2) for k, v in terms.items())  # sharded by the GPU count
+
+
+def test_logits_chunk_is_the_engines():
+    from lora_sweep.kernels.lm_loss import default_chunk_rows
+
+    for name in ("qwen2.5-7b", "llama-3.2-1b"):
+        cm = CostModel.from_model(name, gpu="h100-sxm")
+        assert cm.loss_chunk_tokens == default_chunk_rows(cm.shape.vocab_size)
+        assert cm.memory_terms(0, 0, 0, 1)["logits"] <= 2 * 2**28  # 256 MiB of fp32 logits + a temporary
 
 
 def test_gradient_checkpointing_shrinks_activations(cm):

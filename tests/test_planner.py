@@ -7,7 +7,6 @@ import logging
 import math
 import random
 import time
-import warnings
 
 import cvxpy as cp
 import pytest

@@ -238,7 +238,6 @@ STEP_OVERHEAD_S = 0.02  # host work and kernel launches of one packed step
 ADAPTER_OVERHEAD_S = 0.001  # each adapter's own optimizer step and bookkeeping
 
 TIME_TERMS = ("overhead", "adapters", "weight_bytes", "base_flops", "lora_flops", "allreduce_bytes")
-MEMORY_TERMS = ("base_activations", "lora_activations", "workspace")
 
 
 @dataclass

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import math
 import os
@@ -182,6 +183,7 @@ class PackedLoRASampler(BaseSampler):
         self._admission = _Admission(spec, max_concurrent)
         self._jobs: list[Optional[PackedJob]] = [None] * len(self._devices)
         self._worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._claiming = threading.local()  # .active while `optimize` asks a trial on this thread
 
         sampler = study.sampler
         while isinstance(sampler, PackedLoRASampler):
@@ -260,6 +262,10 @@ class PackedLoRASampler(BaseSampler):
         return self._sampler.sample_independent(study, trial, param_name, param_distribution)
 
     def before_trial(self, study: Study, trial: FrozenTrial) -> None:
+        # Claim the trial for this worker first thing, so that if the process dies now the
+        # other workers know whose trial it was (Optuna calls this right after creating it).
+        if getattr(self._claiming, "active", False):
+            self._study._storage.set_trial_system_attr(trial._trial_id, _WORKER, self._worker_id)
         self._sampler.before_trial(study, trial)
 
     def after_trial(self, study: Study, trial: FrozenTrial, state: TrialState,
@@ -341,9 +347,11 @@ class _Sweep:
         sampler = self.sampler
         with self.lock:
             space = sampler._search_space
-            trial = self.study.ask(None if callable(space) else space)
-            if self.shared_storage:
-                self.study._storage.set_trial_system_attr(trial._trial_id, _WORKER, sampler._worker_id)
+            sampler._claiming.active = self.shared_storage  # `before_trial` records this worker's id
+            try:
+                trial = self.study.ask(None if callable(space) else space)
+            finally:
+                sampler._claiming.active = False
             if self.heartbeat is not None:
                 self.heartbeat.add(trial._trial_id)
             try:
@@ -729,25 +737,36 @@ def _restart_stale_trials(study: Study, worker_id: str, stale_after: float) -> N
     A worker is dead if it runs on this host and its process is gone, or if its heartbeat is
     older than `stale_after` seconds. When two workers find the same trial, the storage lets
     only one of them finish it, and only that one enqueues it again.
+
+    A worker that dies within the instant between creating a trial and claiming it leaves an
+    unowned trial without params; in a study whose trials all come from lora_sweep workers,
+    such a trial older than `stale_after` is failed too (there is nothing to enqueue).
     """
     storage = study._storage
     beats = storage.get_study_system_attrs(study._study_id)
     now = time.time()
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        owner = t.system_attrs.get(_WORKER)
-        if owner is None or owner == worker_id or not _is_dead(owner, beats.get(_HEARTBEAT + owner), now,
-                                                                stale_after):
+    trials = study.get_trials(deepcopy=False)
+    only_ours = all(_WORKER in t.system_attrs for t in trials if t.params and t.state != TrialState.WAITING)
+    for t in trials:
+        if t.state != TrialState.RUNNING:
             continue
+        owner = t.system_attrs.get(_WORKER)
+        if owner is None:
+            age = (datetime.datetime.now() - t.datetime_start).total_seconds() if t.datetime_start else 0.0
+            if not (only_ours and not t.params and not t.intermediate_values and age > stale_after):
+                continue
+        elif owner == worker_id or not _is_dead(owner, beats.get(_HEARTBEAT + owner), now, stale_after):
+            continue
+        who = f"worker {owner}" if owner else "an unknown worker"
         try:
-            storage.set_trial_user_attr(t._trial_id, "fail_reason",
-                                        f"worker {owner} stopped; its params are enqueued again")
+            storage.set_trial_user_attr(t._trial_id, "fail_reason", f"{who} stopped; its params are enqueued again")
             storage.set_trial_user_attr(t._trial_id, "requeued", True)
             study.tell(t.number, state=TrialState.FAIL)
         except (UpdateFinishedTrialError, ValueError, RuntimeError):
             continue  # another worker (or its owner, just in time) finished it first
-        study.enqueue_trial(t.params, user_attrs={"restart_of": t.number})
-        logger.warning("Trial %d was left RUNNING by worker %s, which stopped; its params are enqueued again.",
-                       t.number, owner)
+        if t.params:
+            study.enqueue_trial(t.params, user_attrs={"restart_of": t.number})
+        logger.warning("Trial %d was left RUNNING: %s stopped; its params are enqueued again.", t.number, who)
     if is_heartbeat_enabled(storage):  # trials of plain Optuna workers, failed by Optuna's own heartbeat
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)

@@ -293,7 +293,8 @@ def test_resume_after_the_worker_is_killed(tiny_llama_dir, toy_data, tmp_path):
     sampler.optimize(n_trials=6, show_progress_bar=False)
 
     trials = study.trials
-    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    table = "\n".join(f"{t.number} {t.state.name} {t.user_attrs} {t.system_attrs}" for t in trials)
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)], table
     assert finished_count(study) == 6
     for number in left_running:
         assert trials[number].user_attrs["requeued"] and "stopped" in trials[number].user_attrs["fail_reason"]

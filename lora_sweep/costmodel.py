@@ -408,7 +408,7 @@ class CostModel:
             + b * 2 * s.hidden_size  # their outputs: inputs of q/k/v and of gate/up
             + b * (s.q_dim + 2 * s.kv_dim)  # q, k, v after RoPE, for the attention backward
             + b * s.q_dim  # attention output, the input of o_proj
-            + b * 3 * s.intermediate_size  # gate and up outputs and act(gate) * up, the input of down_proj
+            + b * 4 * s.intermediate_size  # gate, up, act(gate) and act(gate) * up (the input of down_proj)
         )
         head = 4 * s.hidden_size + b * s.hidden_size  # final norm's fp32 input; the loss's d/d(hidden)
         if self.gradient_checkpointing:  # layer inputs only, plus one layer being recomputed

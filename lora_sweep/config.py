@@ -186,6 +186,12 @@ class JobSpec:
     eval_batch_size: int = field(default=16, metadata={"help": "Eval rows per adapter per forward."})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Cap on eval rows; None: all."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute base activations."})
+    max_tokens_per_microbatch: Optional[int] = field(
+        default=None, metadata={"help": "Cap on padded tokens per forward; a step above it is split into "
+                                "microbatches whose gradients accumulate. None: no cap (lowered on OOM)."})
+    checkpoint_every: Optional[int] = field(
+        default=None, metadata={"help": "Checkpoint each adapter every this many of its steps (and on "
+                                "SIGTERM) under output_dir/checkpoints; a restart resumes from there."})
     padding: Literal["auto", "longest", "max_seq_len"] = field(
         default="auto",
         metadata={"help": "Pad each microbatch to its longest sample, or to max_seq_len so that an adapter's "
@@ -207,6 +213,10 @@ class JobSpec:
             raise _fail(None, "dtype", self.dtype, "one of auto, float32, bfloat16, float16")
         if not isinstance(self.device, str):
             raise _fail(None, "device", self.device, "a device string such as 'auto', 'cpu' or 'cuda:0'")
+        if self.max_tokens_per_microbatch is not None:
+            _check_int(None, "max_tokens_per_microbatch", self.max_tokens_per_microbatch, 1)
+        if self.checkpoint_every is not None:
+            _check_int(None, "checkpoint_every", self.checkpoint_every, 1)
         if self.padding not in ("auto", "longest", "max_seq_len"):
             raise _fail(None, "padding", self.padding, "one of auto, longest, max_seq_len")
         _check_int(None, "eval_every", self.eval_every, 1)

@@ -14,22 +14,25 @@ loaded once.
 
 from __future__ import annotations
 
+import io
+import json
 import logging
 import math
 import os
 import re
+import signal
 import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 from tqdm.auto import tqdm
 
 from .config import ConfigError, JobSpec, TrialConfig, check_against_model
-from .data import IGNORE_INDEX, Sample, SampleStream, collate, load_rows, tokenize_rows
+from .data import Sample, SampleStream, collate, load_rows, tokenize_rows
 from .export import peft_key, save_peft_adapter
 from .kernels.lm_loss import per_adapter_lm_loss
 from .layers import MultiLoRALinear, SegmentTable
@@ -73,6 +76,28 @@ class Failed:
 
 
 Event = Union[Report, Finished, Failed]
+
+RESULT_FILE = "lora_sweep_result.json"  # beside a finished adapter: its config, last step and metrics
+
+
+class _DoesNotFit(Exception):
+    """A step ran out of memory with a single sample in every microbatch."""
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    """Write-to-temporary, fsync, rename: a kill at any instant leaves the old file or the new one."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 # --------------------------------------------------------------------------- per-trial state
@@ -129,6 +154,9 @@ class PackedJob:
         self.device = resolve_device(spec)
         self.dtype = resolve_dtype(spec, self.device)
         self.adapter_dtype = torch.float32  # adapters train in fp32 on a bf16 base, as PEFT does
+        # rows are checked before the (slow) model load, so bad data fails fast
+        train_rows = load_rows(spec.train_data, "train_data")
+        eval_rows = load_rows(spec.eval_data, "eval_data") if spec.eval_data is not None else []
         self.model, self.tokenizer = load_base_model(spec, self.device, self.dtype)
         self.module_shapes = {k: v for k, v in linear_layer_names(self.model).items()
                               if k in spec.target_modules}  # read before the layers are wrapped
@@ -143,16 +171,22 @@ class PackedJob:
         if self.pad_id is None:  # documented: the EOS token pads; padding is masked anyway
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
 
-        self.train_samples = tokenize_rows(load_rows(spec.train_data, "train_data"), self.tokenizer,
-                                           spec.max_seq_len, "train_data")
+        self.train_samples = tokenize_rows(train_rows, self.tokenizer, spec.max_seq_len, "train_data")
         self.eval_samples: list[Sample] = []
-        if spec.eval_data is not None:
-            self.eval_samples = tokenize_rows(load_rows(spec.eval_data, "eval_data"), self.tokenizer,
-                                              spec.max_seq_len, "eval_data")[: spec.max_eval_samples]
+        if eval_rows:
+            self.eval_samples = tokenize_rows(eval_rows, self.tokenizer, spec.max_seq_len,
+                                              "eval_data")[: spec.max_eval_samples]
+        # Microbatch cap in padded tokens; lowered when a step runs out of memory.
+        self.microbatch_tokens: Optional[int] = spec.max_tokens_per_microbatch
+        # Test hook: simulated_oom(padded_tokens, active_adapters) -> True raises, for that
+        # microbatch, the error a CUDA out-of-memory raises.
+        self.simulated_oom: Optional[Callable[[int, int], bool]] = None
 
         self.optimizer = PackedAdamW()
         self.active: dict[str, _Adapter] = {}  # trial_id -> state, in join order
         self.finished: dict[str, str] = {}  # trial_id -> adapter dir
+        self.waiting: deque[dict] = deque()  # snapshots of adapters moved out after an OOM
+        self.evictions = 0
         self._pending_add: deque[Union[TrialConfig, dict]] = deque()
         self._pending_remove: set[str] = set()
         self._events: deque[Event] = deque()
@@ -226,6 +260,13 @@ class PackedJob:
             self._join(cfg)
 
     def _join(self, cfg: TrialConfig) -> None:
+        """Add a trial's adapter to every layer it targets, or resume it: a finished trial
+        (saved result on disk) is reported as finished, a checkpointed one continues."""
+        result = self._read_result(cfg)
+        if result is not None:
+            self.finished[cfg.trial_id] = result["adapter_dir"]
+            self._events.append(Finished(cfg.trial_id, result["step"], result["metrics"], result["adapter_dir"]))
+            return
         key = re.sub(r"\W", "_", cfg.trial_id)
         while any(a.key == key for a in self.active.values()):
             key += "_"
@@ -240,9 +281,14 @@ class PackedJob:
         self.optimizer.add(cfg.trial_id, params, cfg.learning_rate,
                            lr_lambda(cfg.lr_scheduler, cfg.warmup_steps, cfg.max_steps),
                            cfg.weight_decay, cfg.max_grad_norm)
-        self.active[cfg.trial_id] = _Adapter(cfg, key, SampleStream(len(self.train_samples), cfg.seed), modules)
+        adapter = _Adapter(cfg, key, SampleStream(len(self.train_samples), cfg.seed), modules)
+        self.active[cfg.trial_id] = adapter
+        checkpoint = self._read_checkpoint(cfg)
+        if checkpoint is not None:
+            self._restore(adapter, checkpoint)
+            logger.info("trial %s resumed from its checkpoint at step %d", cfg.trial_id, adapter.step)
         if self._bar is not None:
-            self._bar.total += cfg.max_steps
+            self._bar.total += cfg.max_steps - adapter.step
             self._bar.refresh()
 
     def _drop(self, trial_id: str) -> None:
@@ -250,6 +296,11 @@ class PackedJob:
         for name in adapter.modules:
             self.layers[name].delete_adapter(adapter.key)
         self.optimizer.remove(trial_id)
+        if self.waiting:  # memory was freed: an adapter moved out after an OOM comes back
+            snapshot = self.waiting.popleft()
+            cfg = TrialConfig.from_dict(snapshot["config"])
+            self._join(cfg)
+            self._restore(self.active[cfg.trial_id], snapshot)
 
     # ------------------------------------------------------------------ the step loop
 
@@ -261,10 +312,16 @@ class PackedJob:
         self._bar = tqdm(total=sum(a.cfg.max_steps - a.step for a in self.active.values()),
                          desc="lora_sweep", unit="step", disable=not self.progress, dynamic_ncols=True)
         self._running = True
+        self._sigterm = False
+        previous = self._install_sigterm_handler()
         try:
             while True:
                 self._apply_membership()
                 yield from self._drain_events()
+                if self._sigterm:
+                    self._checkpoint_all()
+                    signal.signal(signal.SIGTERM, previous)
+                    os.kill(os.getpid(), signal.SIGTERM)
                 if not self.active:
                     if self._pending_add:
                         continue
@@ -275,10 +332,23 @@ class PackedJob:
             self._running = False
             self._bar.close()
             self._bar = None
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
     def _drain_events(self) -> Iterator[Event]:
         while self._events:
             yield self._events.popleft()
+
+    def _install_sigterm_handler(self):
+        """On SIGTERM, checkpoint every adapter at the next step boundary, then exit as asked.
+        Only the main thread may own signal handlers; elsewhere (a Ray actor's thread) this is off."""
+        if self.spec.checkpoint_every is None or threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_sigterm(signum, frame):
+            self._sigterm = True
+
+        return signal.signal(signal.SIGTERM, on_sigterm)
 
     def _train_step(self) -> None:
         """One forward/backward over every active adapter's next micro-batch, then an optimizer
@@ -287,18 +357,21 @@ class PackedJob:
         adapters = list(self.active.values())
         self.model.train()
 
-        # data: each adapter's own samples, stacked adapter by adapter
+        # data: each adapter's own samples for this micro-step
+        cursors = [a.stream.state() for a in adapters]
         groups = [[self.train_samples[i] for i in a.stream.take(a.cfg.batch_size)] for a in adapters]
-        batch = collate(groups, self.pad_id, self.device, self.pad_length)
-        self.segments.set([a.key for a in adapters], [a.cfg.batch_size for a in adapters],
-                          [a.micro_steps for a in adapters])
 
-        # forward / backward: sum of per-adapter mean losses, each scaled for its accumulation
-        loss_sums, counts = self._adapter_losses(batch, groups)
-        means = loss_sums / counts
-        accum = torch.tensor([a.cfg.gradient_accumulation_steps for a in adapters], device=means.device)
-        (means / accum).sum().backward()
-        self.segments.clear()
+        # forward / backward, in microbatches under the memory cap
+        try:
+            sums, counts, plan = self._forward_backward(adapters, groups)
+        except _DoesNotFit:
+            # Even one sample per microbatch is too much: rewind the data, move the newest
+            # adapter out until another one leaves (it is not failed, and resumes exactly).
+            for a, cursor in zip(adapters, cursors):
+                a.stream.load_state(cursor)
+            self._evict(adapters[-1])
+            return
+        means = sums / counts
 
         # optimizer: adapters at the end of their accumulation window clip and step together
         stepping = [a for a in adapters if (a.micro_steps + 1) % a.cfg.gradient_accumulation_steps == 0]
@@ -315,7 +388,7 @@ class PackedJob:
         self.optimizer.zero_grad([a.trial_id for a in ok])
 
         seconds = time.perf_counter() - t0
-        self._record_stats(adapters, groups, batch, seconds)
+        self._record_stats(adapters, groups, plan, seconds)
         for a, group, v in zip(adapters, groups, mean_values):
             a.micro_steps += 1
             a.tokens += sum(len(s) for s in group)
@@ -325,18 +398,117 @@ class PackedJob:
             step = self.active[tid].step
             self._drop(tid)
             self._events.append(Failed(tid, step, reason))
-        self._after_optimizer_step([a for a in ok])
+        self._after_optimizer_step(ok)
 
-    def _adapter_losses(self, batch: dict, groups: list[list[Sample]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-adapter (sum of token losses, number of loss tokens), without full logits."""
-        hidden = self.body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    def _forward_backward(self, adapters: list[_Adapter], groups: list[list[Sample]]):
+        """Per-adapter loss sums and loss-token counts of this micro-step, with each adapter's
+        gradient of (mean loss / accumulation steps) added to its `.grad`.
+
+        The samples are split into microbatches under `microbatch_tokens`; gradients are taken
+        with `torch.autograd.grad` and only added to `.grad` once every microbatch succeeded,
+        so an out-of-memory error leaves nothing half-accumulated and the step is retried with
+        a smaller cap."""
+        counts = torch.tensor([float(sum(s.loss_tokens for s in g)) for g in groups], device=self.device)
+        accum = torch.tensor([float(a.cfg.gradient_accumulation_steps) for a in adapters], device=self.device)
+        while True:
+            plan = self._microbatches(groups)
+            try:
+                sums, grads = self._run_microbatches(adapters, plan, counts, accum)
+                break
+            except torch.OutOfMemoryError:
+                self.segments.clear()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                largest = max(self._padded_tokens(parts) for parts in plan)
+                if max(len(parts) for parts in plan) == 1 and all(len(p[0][1]) == 1 for p in plan):
+                    raise _DoesNotFit from None
+                self.microbatch_tokens = max(1, largest // 2)
+                logger.warning("out of memory at %d padded tokens per microbatch; retrying the step with "
+                               "microbatches of at most %d", largest, self.microbatch_tokens)
+        for i, adapter_grads in grads.items():
+            for p, g in zip(self.optimizer.adapters[adapters[i].trial_id].params, adapter_grads):
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        return sums, counts, plan
+
+    def _run_microbatches(self, adapters, plan, counts, accum):
+        sums = torch.zeros(len(adapters), device=self.device)
+        grads: dict[int, list[torch.Tensor]] = {}
+        for parts in plan:  # parts: [(adapter index, samples)], adapters in job order
+            index = [i for i, _ in parts]
+            groups = [samples for _, samples in parts]
+            if self.simulated_oom is not None and self.simulated_oom(self._padded_tokens(parts), len(self.active)):
+                raise torch.OutOfMemoryError("simulated out of memory (test hook)")
+            part_sums, _ = self._adapter_losses([adapters[i] for i in index], groups, train=True)
+            idx = torch.tensor(index, device=self.device)
+            loss = (part_sums / counts[idx] / accum[idx]).sum()
+            params = [p for i in index for p in self.optimizer.adapters[adapters[i].trial_id].params]
+            flat = torch.autograd.grad(loss, params)
+            for i in index:
+                n = len(self.optimizer.adapters[adapters[i].trial_id].params)
+                mine, flat = list(flat[:n]), flat[n:]
+                grads[i] = mine if i not in grads else torch._foreach_add(grads[i], mine)
+            sums = sums.index_add(0, idx, part_sums.detach())
+        return sums, grads
+
+    def _padded_tokens(self, parts) -> int:
+        rows = [s for _, samples in parts for s in samples]
+        return len(rows) * (self.pad_length or max(len(s) for s in rows))
+
+    def _microbatches(self, groups: list[list[Sample]]) -> list[list[tuple[int, list[Sample]]]]:
+        """Split a step's samples into microbatches of at most `microbatch_tokens` padded tokens.
+        Whole adapters are kept together when they fit (then an adapter's arithmetic is the
+        same as unsplit, bit for bit); larger ones are cut into runs of consecutive samples."""
+        everything = [[(i, g) for i, g in enumerate(groups)]]
+        if self.microbatch_tokens is None or self._padded_tokens(everything[0]) <= self.microbatch_tokens:
+            return everything
+        from .planner import pack_microbatches  # the planner (cvxpy) loads only when a cap is hit
+
+        length = self.pad_length or max(len(s) for g in groups for s in g)
+        per_item = max(1, self.microbatch_tokens // length)
+        items = [(i, g[k:k + per_item]) for i, g in enumerate(groups) for k in range(0, len(g), per_item)]
+        bins = pack_microbatches([len(samples) * length for _, samples in items], self.microbatch_tokens,
+                                 time_limit=0.2)
+        plan = []
+        for b in bins:  # keep job order inside a microbatch; a split adapter's runs stay in order
+            parts: list[tuple[int, list[Sample]]] = []
+            for i, samples in (items[k] for k in sorted(b)):
+                if parts and parts[-1][0] == i:
+                    parts[-1] = (i, parts[-1][1] + samples)
+                else:
+                    parts.append((i, samples))
+            plan.append(parts)
+        return plan
+
+    def _adapter_losses(self, adapters: list[_Adapter], groups: list[list[Sample]], train: bool):
+        """Per-adapter (sum of token losses, number of loss tokens) of one microbatch, with the
+        LM head and cross-entropy computed in row chunks instead of full logits."""
+        batch = collate(groups, self.pad_id, self.device, self.pad_length)
+        self.segments.set([a.key for a in adapters], [len(g) for g in groups],
+                          [a.micro_steps for a in adapters] if train else None)
+        try:
+            hidden = self.body(input_ids=batch["input_ids"],
+                               attention_mask=batch["attention_mask"]).last_hidden_state
+        finally:
+            self.segments.clear()
         # position t predicts token t + 1; keep only positions with a label, adapter by adapter
-        targets = batch["labels"][:, 1:]
-        keep = batch["keep_index"]
-        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (loss tokens, hidden)
-        targets = targets.reshape(-1).index_select(0, keep)
+        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, batch["keep_index"])
+        targets = batch["labels"][:, 1:].reshape(-1).index_select(0, batch["keep_index"])
         seg_lens = [sum(s.loss_tokens for s in g) for g in groups]
         return per_adapter_lm_loss(hidden, self.lm_head_weight, targets, seg_lens)
+
+    def _evict(self, adapter: _Adapter) -> None:
+        if len(self.active) == 1:
+            raise torch.OutOfMemoryError(
+                f"Trial {adapter.trial_id!r} does not fit in memory even alone with one sample per microbatch.")
+        logger.warning("out of memory with one sample per microbatch: trial %s moves out of the job until "
+                       "another trial leaves", adapter.trial_id)
+        snapshot = self._snapshot(adapter)
+        self.active.pop(adapter.trial_id)
+        for name in adapter.modules:
+            self.layers[name].delete_adapter(adapter.key)
+        self.optimizer.remove(adapter.trial_id)
+        self.waiting.append(snapshot)
+        self.evictions += 1
 
     def _after_optimizer_step(self, stepped: list[_Adapter]) -> None:
         to_eval = []
@@ -348,32 +520,43 @@ class PackedJob:
                 self._bar.update(1)
             if a.step % self.spec.eval_every == 0 or a.step >= a.cfg.max_steps:
                 to_eval.append(a)
-        if not to_eval:
-            self._update_bar()
-            return
-        eval_losses = self.evaluate([a.trial_id for a in to_eval]) if self.eval_samples else {}
-        for a in to_eval:
-            metrics = {"train_loss": sum(a.report_losses) / len(a.report_losses),
-                       "tokens_per_second": a.tokens / max(a.seconds, 1e-9),
-                       "learning_rate": self.optimizer.adapters[a.trial_id].current_lr,
-                       "step": a.step}
-            a.report_losses.clear()
-            if a.trial_id in eval_losses:
-                metrics["eval_loss"] = eval_losses[a.trial_id]
-            self._events.append(Report(a.trial_id, a.step, metrics))
-            if a.step >= a.cfg.max_steps:
-                path = self.save_adapter(a.trial_id, self._adapter_dir(a.trial_id))
-                self.finished[a.trial_id] = path
-                self._drop(a.trial_id)
-                self._events.append(Finished(a.trial_id, a.step, metrics, path))
+            elif self.spec.checkpoint_every and a.step % self.spec.checkpoint_every == 0:
+                self._write_checkpoint(a)
+        if to_eval:
+            eval_losses = self.evaluate([a.trial_id for a in to_eval]) if self.eval_samples else {}
+            for a in to_eval:
+                metrics = {"train_loss": sum(a.report_losses) / len(a.report_losses),
+                           "tokens_per_second": a.tokens / max(a.seconds, 1e-9),
+                           "learning_rate": self.optimizer.adapters[a.trial_id].current_lr,
+                           "step": a.step}
+                a.report_losses.clear()
+                if a.trial_id in eval_losses:
+                    metrics["eval_loss"] = eval_losses[a.trial_id]
+                self._events.append(Report(a.trial_id, a.step, metrics))
+                if a.step >= a.cfg.max_steps:
+                    self._finish(a, metrics)
+                elif self.spec.checkpoint_every and a.step % self.spec.checkpoint_every == 0:
+                    self._write_checkpoint(a)
         self._update_bar()
 
-    def _record_stats(self, adapters, groups, batch, seconds) -> None:
+    def _finish(self, a: _Adapter, metrics: dict) -> None:
+        path = self.save_adapter(a.trial_id, self._adapter_dir(a.trial_id))
+        _atomic_write(os.path.join(path, RESULT_FILE), json.dumps(
+            {"config": a.cfg.to_dict(), "step": a.step, "metrics": metrics, "adapter_dir": path}).encode())
+        self.finished[a.trial_id] = path
+        self._drop(a.trial_id)
+        checkpoint = self._checkpoint_path(a.trial_id)
+        if os.path.exists(checkpoint):
+            os.remove(checkpoint)
+        self._events.append(Finished(a.trial_id, a.step, metrics, path))
+
+    def _record_stats(self, adapters, groups, plan, seconds) -> None:
         self.step_stats.append({
             "tokens": sum(len(s) for g in groups for s in g),  # real (non-padding) tokens
-            "padded_tokens": int(batch["input_ids"].numel()),
+            "padded_tokens": sum(self._padded_tokens(parts) for parts in plan),
             "rank_tokens": sum(a.cfg.rank * sum(len(s) for s in g) for a, g in zip(adapters, groups)),
             "num_adapters": len(adapters),
+            "microbatches": len(plan),
             "seconds": seconds,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         })
@@ -399,13 +582,11 @@ class PackedJob:
         size = self.spec.eval_batch_size
         for start in range(0, len(self.eval_samples), size):
             chunk = self.eval_samples[start : start + size]
-            groups = [chunk] * len(adapters)
-            batch = collate(groups, self.pad_id, self.device, self.pad_length)
-            self.segments.set([a.key for a in adapters], [len(chunk)] * len(adapters))
-            s, c = self._adapter_losses(batch, groups)
-            sums += s.double().cpu()
-            counts += c.double().cpu()
-        self.segments.clear()
+            for parts in self._microbatches([chunk] * len(adapters)):
+                index = [i for i, _ in parts]
+                s, c = self._adapter_losses([adapters[i] for i in index], [g for _, g in parts], train=False)
+                sums.index_add_(0, torch.tensor(index), s.double().cpu())
+                counts.index_add_(0, torch.tensor(index), c.double().cpu())
         return {a.trial_id: float(s / c) for a, s, c in zip(adapters, sums, counts)}
 
     @torch.no_grad()
@@ -423,6 +604,69 @@ class PackedJob:
 
     def _adapter_dir(self, trial_id: str) -> str:
         return os.path.join(self.spec.output_dir, "adapters", re.sub(r"[^\w.-]", "_", trial_id))
+
+    def _checkpoint_path(self, trial_id: str) -> str:
+        return os.path.join(self.spec.output_dir, "checkpoints", re.sub(r"[^\w.-]", "_", trial_id) + ".pt")
+
+    def _snapshot(self, a: _Adapter) -> dict:
+        """Everything an adapter needs to continue exactly: weights, AdamW moments, data cursor
+        and counters (dropout masks and data order are functions of those, so no RNG state)."""
+        params = self.optimizer.adapters[a.trial_id].params
+        return {
+            "config": a.cfg.to_dict(),
+            "weights": {name: {"lora_A": self.layers[name].lora_A[a.key].weight.detach().cpu().clone(),
+                               "lora_B": self.layers[name].lora_B[a.key].weight.detach().cpu().clone()}
+                        for name in a.modules},
+            "grads": [None if p.grad is None else p.grad.detach().cpu().clone() for p in params],
+            "optimizer": self.optimizer.state_dict(a.trial_id),
+            "stream": a.stream.state(),
+            "counters": {"micro_steps": a.micro_steps, "step": a.step, "tokens": a.tokens, "seconds": a.seconds,
+                         "window_losses": list(a.window_losses), "report_losses": list(a.report_losses)},
+        }
+
+    def _restore(self, a: _Adapter, snapshot: dict) -> None:
+        with torch.no_grad():
+            for name, w in snapshot["weights"].items():
+                self.layers[name].lora_A[a.key].weight.copy_(w["lora_A"])
+                self.layers[name].lora_B[a.key].weight.copy_(w["lora_B"])
+        for p, g in zip(self.optimizer.adapters[a.trial_id].params, snapshot["grads"]):
+            p.grad = None if g is None else g.to(p.device)
+        self.optimizer.load_state_dict(a.trial_id, snapshot["optimizer"])
+        a.stream.load_state(snapshot["stream"])
+        c = snapshot["counters"]
+        a.micro_steps, a.step, a.tokens, a.seconds = c["micro_steps"], c["step"], c["tokens"], c["seconds"]
+        a.window_losses, a.report_losses = list(c["window_losses"]), list(c["report_losses"])
+
+    def _write_checkpoint(self, a: _Adapter) -> None:
+        buffer = io.BytesIO()
+        torch.save(self._snapshot(a), buffer)
+        _atomic_write(self._checkpoint_path(a.trial_id), buffer.getvalue())
+
+    def _checkpoint_all(self) -> None:
+        """Checkpoint every adapter between accumulation windows (the others keep their last one)."""
+        for a in self.active.values():
+            if a.micro_steps % a.cfg.gradient_accumulation_steps == 0:
+                self._write_checkpoint(a)
+
+    def _read_checkpoint(self, cfg: TrialConfig) -> Optional[dict]:
+        """The trial's checkpoint, if checkpointing is on and one exists for this very config."""
+        path = self._checkpoint_path(cfg.trial_id)
+        if self.spec.checkpoint_every is None or not os.path.exists(path):
+            return None
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+        if snapshot["config"] != cfg.to_dict():
+            logger.warning("ignoring checkpoint %s: it belongs to another config of trial %s", path, cfg.trial_id)
+            return None
+        return snapshot
+
+    def _read_result(self, cfg: TrialConfig) -> Optional[dict]:
+        """A finished trial's saved result, if checkpointing is on and it is this very config."""
+        path = os.path.join(self._adapter_dir(cfg.trial_id), RESULT_FILE)
+        if self.spec.checkpoint_every is None or not os.path.exists(path):
+            return None
+        with open(path) as f:
+            result = json.load(f)
+        return result if result["config"] == cfg.to_dict() else None
 
     def save_adapter(self, trial_id: str, path: str) -> str:
         """Save an active trial's adapter in PEFT format; a finished trial's saved directory

@@ -62,12 +62,10 @@ def test_dropout_gradients_match_peft_given_the_same_mask(tiny_llama_dir, toy_da
 
     # one packed forward/backward, as the engine's step does it
     groups = [[job.train_samples[i] for i in range(k, k + c.batch_size)] for k, c in zip((0, 10), trials)]
-    batch = collate(groups, job.pad_id, "cpu")
+    batch = collate(groups, job.pad_id, "cpu", job.pad_length)  # the rows the packed forward sees
     job.model.train()
-    job.segments.set([job.active[c.trial_id].key for c in trials], [c.batch_size for c in trials], [0, 0])
-    sums, counts = job._adapter_losses(batch, groups)
+    sums, counts = job._adapter_losses([job.active[c.trial_id] for c in trials], groups, train=True)
     (sums / counts).sum().backward()
-    job.segments.clear()
 
     row = 0
     for cfg in trials:

@@ -1,0 +1,144 @@
+"""Reliability: microbatch splitting, out-of-memory recovery, crash-safe checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import lora_sweep as ls
+from lora_sweep.engine import Finished, PackedJob, Report, _atomic_write
+
+from test_engine_equivalence import make_spec, run_packed
+
+
+def trials():
+    return [ls.TrialConfig(rank=4, learning_rate=2e-3, batch_size=2, max_steps=6, dropout=0.0, seed=1, trial_id="a"),
+            ls.TrialConfig(rank=8, learning_rate=1e-3, batch_size=3, max_steps=6, dropout=0.0, seed=2, trial_id="b"),
+            ls.TrialConfig(rank=4, learning_rate=3e-3, batch_size=1, max_steps=6, dropout=0.0, seed=3, trial_id="c",
+                           gradient_accumulation_steps=2)]
+
+
+def finals(job):
+    return {t: load_file(f"{p}/adapter_model.safetensors") for t, p in job.finished.items()}
+
+
+def compare(a, b, exact: bool):
+    assert a.keys() == b.keys()
+    for t in a:
+        for k in a[t]:
+            if exact:
+                assert torch.equal(a[t][k], b[t][k]), (t, k)
+            else:
+                assert torch.allclose(a[t][k], b[t][k], rtol=1e-5, atol=1e-7), (t, k)
+
+
+@pytest.fixture
+def unsplit(tiny_llama_dir, toy_data, tmp_path):
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "unsplit", eval_every=2), trials(), progress=False)
+    losses = run_packed(job)
+    return finals(job), losses
+
+
+def test_microbatches_by_whole_adapters_are_bit_identical(tiny_llama_dir, toy_data, tmp_path, unsplit):
+    # 32 tokens per row: a cap of 96 keeps every adapter whole (3 rows at most) but splits the step
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "split", eval_every=2,
+                              max_tokens_per_microbatch=96), trials(), progress=False)
+    losses = run_packed(job)
+    assert all(s["microbatches"] >= 2 for s in job.step_stats if s["num_adapters"] == 3)
+    compare(finals(job), unsplit[0], exact=True)
+    assert losses == unsplit[1]
+
+
+def test_microbatches_inside_an_adapter_match_to_rounding(tiny_llama_dir, toy_data, tmp_path, unsplit):
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "split", eval_every=2,
+                              max_tokens_per_microbatch=32), trials(), progress=False)
+    run_packed(job)
+    assert max(s["microbatches"] for s in job.step_stats) == 6  # one row each
+    compare(finals(job), unsplit[0], exact=False)
+
+
+def test_out_of_memory_splits_the_step_and_every_trial_finishes(tiny_llama_dir, toy_data, tmp_path, unsplit):
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "oom", eval_every=2), trials(), progress=False)
+    job.simulated_oom = lambda padded_tokens, adapters: padded_tokens > 100
+    events = list(job.run())
+    assert job.microbatch_tokens is not None and job.microbatch_tokens <= 100
+    assert sorted(e.trial_id for e in events if isinstance(e, Finished)) == ["a", "b", "c"]
+    compare(finals(job), unsplit[0], exact=False)
+
+
+def test_adapter_that_cannot_fit_moves_out_and_comes_back(tiny_llama_dir, toy_data, tmp_path, unsplit):
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "evict", eval_every=2), trials(), progress=False)
+    # three adapters' states leave no room for activations at all; two leave room for 64 tokens
+    job.simulated_oom = lambda padded_tokens, adapters: adapters >= 3 or padded_tokens > 64
+    events = list(job.run())
+    assert job.evictions == 1 and not job.waiting
+    assert sorted(e.trial_id for e in events if isinstance(e, Finished)) == ["a", "b", "c"]
+    compare(finals(job), unsplit[0], exact=False)  # b's 3 rows no longer fit one 64-token microbatch
+
+
+def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path):
+    path = str(tmp_path / "ckpt" / "a.pt")
+    _atomic_write(path, b"good")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:  # a writer killed after its temporary file, before the rename
+        f.write(b"half")
+    assert open(path, "rb").read() == b"good"
+
+
+RUNNER = textwrap.dedent("""
+    import json, sys, torch
+    torch.set_num_threads(1)
+    import lora_sweep as ls
+    from lora_sweep.engine import PackedJob, Report, Finished
+    model_dir, data, out = sys.argv[1:4]
+    trials = [ls.TrialConfig(rank=4, learning_rate=2e-3, batch_size=2, max_steps=12, dropout=0.1, seed=1, trial_id="a"),
+              ls.TrialConfig(rank=8, learning_rate=1e-3, batch_size=3, max_steps=12, seed=2, trial_id="b"),
+              ls.TrialConfig(rank=4, learning_rate=3e-3, batch_size=1, max_steps=12, seed=3, trial_id="c",
+                             gradient_accumulation_steps=2),
+              ls.TrialConfig(rank=4, learning_rate=3e-3, batch_size=1, max_steps=3, seed=4, trial_id="short")]
+    spec = ls.JobSpec(base_model=model_dir, train_data=json.load(open(data)), max_seq_len=32, eval_every=1,
+                      checkpoint_every=2, output_dir=out)
+    job = PackedJob(spec, trials, progress=False)
+    for e in job.run():
+        print(type(e).__name__, e.trial_id, e.step, flush=True)
+    print("STEPS", json.dumps([s["num_adapters"] for s in job.step_stats]), flush=True)
+""")
+
+
+def test_kill_9_and_restart_gives_the_uninterrupted_adapters(tiny_llama_dir, toy_data, tmp_path):
+    script, data = tmp_path / "runner.py", tmp_path / "train.json"
+    script.write_text(RUNNER)
+    data.write_text(json.dumps(toy_data[0]))
+    run = lambda out: [sys.executable, str(script), tiny_llama_dir, str(data), str(out)]  # noqa: E731
+
+    clean = subprocess.run(run(tmp_path / "clean"), capture_output=True, text=True, check=True)
+    assert "Finished short 3" in clean.stdout
+
+    proc = subprocess.Popen(run(tmp_path / "killed"), stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("Report a 7"):  # mid-run: "short" finished, the others past a checkpoint
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+    resumed = subprocess.run(run(tmp_path / "killed"), capture_output=True, text=True, check=True)
+    lines = resumed.stdout.splitlines()
+    assert "Finished short 3" in lines  # reported from its saved result ...
+    assert not any(line.startswith("Report short") for line in lines)  # ... not retrained
+    first_a = next(line for line in lines if line.startswith("Report a "))
+    assert first_a == "Report a 7"  # resumed from its step-6 checkpoint, not restarted
+    for t in ("a", "b", "c", "short"):
+        got = load_file(tmp_path / "killed" / "adapters" / t / "adapter_model.safetensors")
+        want = load_file(tmp_path / "clean" / "adapters" / t / "adapter_model.safetensors")
+        assert got.keys() == want.keys()
+        for k in got:
+            assert torch.equal(got[k], want[k]), (t, k)

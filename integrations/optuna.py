@@ -305,7 +305,7 @@ class _Sweep:
             if self.shared_storage:
                 self.heartbeat = _Heartbeat(self.study, self.sampler._worker_id, self.sampler._heartbeat_interval)
                 self.heartbeat.start()
-            self.restart_stale_trials()
+            self.restart_stale_trials(include_own=True)  # nothing of ours runs yet: any RUNNING one is stale
             done = _trials_toward_budget(self.study)
             self.bar = tqdm(total=self.n_trials, initial=min(done, self.n_trials or done), desc="trials",
                             unit="trial", disable=not self._bar_enabled, dynamic_ncols=True)
@@ -328,12 +328,13 @@ class _Sweep:
             self.maybe_restart_stale_trials()
             return self.n_trials is None or _trials_toward_budget(self.study) < self.n_trials
 
-    def restart_stale_trials(self) -> None:
-        if self.shared_storage:
-            with self.lock:
-                _restart_stale_trials(self.study, self.sampler._worker_id,
-                                      _STALE_AFTER_BEATS * self.sampler._heartbeat_interval)
-            self._next_stale_check = time.monotonic() + self.sampler._heartbeat_interval
+    def restart_stale_trials(self, include_own: bool = False) -> None:
+        if not self.shared_storage and not include_own:
+            return  # an in-memory study has no other workers
+        with self.lock:
+            _restart_stale_trials(self.study, self.sampler._worker_id,
+                                  _STALE_AFTER_BEATS * self.sampler._heartbeat_interval, include_own)
+        self._next_stale_check = time.monotonic() + self.sampler._heartbeat_interval
 
     def maybe_restart_stale_trials(self) -> None:
         if time.monotonic() >= self._next_stale_check:
@@ -347,7 +348,7 @@ class _Sweep:
         sampler = self.sampler
         with self.lock:
             space = sampler._search_space
-            sampler._claiming.active = self.shared_storage  # `before_trial` records this worker's id
+            sampler._claiming.active = True  # `before_trial` records this worker's id
             try:
                 trial = self.study.ask(None if callable(space) else space)
             finally:
@@ -364,6 +365,9 @@ class _Sweep:
                 return None
             except Exception as err:
                 self.tell_failed(trial, f"the search space raised {type(err).__name__}: {err}")
+                raise
+            except BaseException as err:  # Ctrl-C: the trial runs again next time
+                self.interrupt([trial], f"the sweep stopped: {type(err).__name__}")
                 raise
             trial.set_user_attr("config", cfg.to_dict())
             return trial, cfg
@@ -731,11 +735,12 @@ class _Heartbeat:
                 logger.warning("lora_sweep heartbeat failed; retrying in %.0f s", self.interval, exc_info=True)
 
 
-def _restart_stale_trials(study: Study, worker_id: str, stale_after: float) -> None:
+def _restart_stale_trials(study: Study, worker_id: str, stale_after: float, include_own: bool) -> None:
     """Tell FAIL the RUNNING trials of dead lora_sweep workers and enqueue their params again.
 
     A worker is dead if it runs on this host and its process is gone, or if its heartbeat is
-    older than `stale_after` seconds. When two workers find the same trial, the storage lets
+    older than `stale_after` seconds. The caller (`worker_id`) is alive, but before its sweep
+    starts (`include_own`) the trials it claimed earlier are stale too. When two workers find the same trial, the storage lets
     only one of them finish it, and only that one enqueues it again.
 
     A worker that dies within the instant between creating a trial and claiming it leaves an
@@ -755,7 +760,10 @@ def _restart_stale_trials(study: Study, worker_id: str, stale_after: float) -> N
             age = (datetime.datetime.now() - t.datetime_start).total_seconds() if t.datetime_start else 0.0
             if not (only_ours and not t.params and not t.intermediate_values and age > stale_after):
                 continue
-        elif owner == worker_id or not _is_dead(owner, beats.get(_HEARTBEAT + owner), now, stale_after):
+        elif owner == worker_id:
+            if not include_own:
+                continue
+        elif not _is_dead(owner, beats.get(_HEARTBEAT + owner), now, stale_after):
             continue
         who = f"worker {owner}" if owner else "an unknown worker"
         try:
@@ -774,8 +782,8 @@ def _restart_stale_trials(study: Study, worker_id: str, stale_after: float) -> N
 
 
 def _is_dead(worker_id: str, last_beat: Optional[float], now: float, stale_after: float) -> bool:
-    host, pid, _ = worker_id.rsplit(":", 2)
-    if host == socket.gethostname() and not _process_alive(int(pid)):
+    host, pid, _ = (worker_id.rsplit(":", 2) + ["", "", ""])[:3]
+    if host == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid)):
         return True
     return last_beat is None or now - last_beat > stale_after
 

@@ -1,12 +1,68 @@
 """Fused multi-LoRA kernels and their plain torch references.
 
 `multi_lora_linear` is the public entry point: the Triton kernels on CUDA, the torch
-reference elsewhere or when `LORA_SWEEP_KERNELS=torch`.
+reference elsewhere or when `LORA_SWEEP_KERNELS=torch`. `triton_multi_lora_linear` runs the
+Triton path explicitly (CPU tensors too, under TRITON_INTERPRET=1). Triton is imported only
+when its path runs, so the reference works without it.
+
+`per_adapter_lm_loss` is the chunked LM head + cross-entropy: per-adapter token-loss sums
+without materialising the [tokens, vocab] logits.
 """
 
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
 from .dropout import dropout_keep_mask
-from .reference import reference_multi_lora_linear
+from .lm_loss import per_adapter_lm_loss, reference_per_adapter_lm_loss
+from .reference import Seeds, reference_multi_lora_linear
 
-multi_lora_linear = reference_multi_lora_linear
+_warned_no_triton = False
 
-__all__ = ["multi_lora_linear", "reference_multi_lora_linear", "dropout_keep_mask"]
+
+def multi_lora_linear(
+    x: torch.Tensor,  # [tokens, in], adapters' rows contiguous in adapter order
+    weight: torch.Tensor,  # [out, in], frozen
+    bias: Optional[torch.Tensor],  # [out] or None, frozen
+    lora_a: Sequence[Optional[torch.Tensor]],  # each [r_i, in], or None: no LoRA on that segment
+    lora_b: Sequence[Optional[torch.Tensor]],  # each [out, r_i], or None
+    scales: Sequence[float],
+    dropout_p: Sequence[float],
+    seg_lens: Sequence[int],  # rows per adapter, sum == tokens, zeros allowed
+    seed: Seeds = 0,
+) -> torch.Tensor:
+    """`x @ weight.T + bias` plus `scale_i * dropout_i(x_i) @ A_i.T @ B_i.T` on segment i,
+    differentiable in x, A_i and B_i. See `reference_multi_lora_linear` for the semantics."""
+    global _warned_no_triton
+    if x.is_cuda and os.environ.get("LORA_SWEEP_KERNELS", "") != "torch":
+        try:
+            from .multi_lora import triton_multi_lora_linear
+        except ImportError:
+            if not _warned_no_triton:
+                warnings.warn("Triton is not installed (`pip install lora-sweep[triton]`): "
+                              "using the torch reference of the multi-LoRA linear.")
+                _warned_no_triton = True
+        else:
+            return triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seed)
+    return reference_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seed)
+
+
+def triton_multi_lora_linear(*args, **kwargs) -> torch.Tensor:
+    """The Triton path explicitly (see `multi_lora.triton_multi_lora_linear`)."""
+    from .multi_lora import triton_multi_lora_linear as run
+
+    return run(*args, **kwargs)
+
+
+__all__ = [
+    "multi_lora_linear",
+    "triton_multi_lora_linear",
+    "reference_multi_lora_linear",
+    "dropout_keep_mask",
+    "per_adapter_lm_loss",
+    "reference_per_adapter_lm_loss",
+]

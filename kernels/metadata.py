@@ -1,0 +1,194 @@
+"""Per-microbatch metadata of the multi-LoRA kernels, built once per call on the host.
+
+Tiles never span two adapters (LoRAFusion's tile-level routing): each adapter's segment is
+cut into tiles of `block_m` rows starting at its own first row, the last tile of a segment
+is partial, and every kernel reads from the tile table which adapter, rows, rank, scale,
+dropout threshold and seed a tile belongs to. Reductions over rows (dA, dB) use a second
+table of longer chunks, each inside one adapter.
+
+Nothing here imports Triton: the CPU reference path never needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .dropout import check_dropout_p, keep_threshold, normalize_seed
+
+# Columns of the per-adapter tables, in the order `_triton_common.load_adapter` reads them.
+ADAPTER_INT_COLS = ("rank", "seg_start", "seed", "keep_threshold", "a_ptr", "b_ptr",
+                    "da_offset", "db_offset", "chunk_first", "chunk_count")
+ADAPTER_FLOAT_COLS = ("scale", "inv_keep")
+TILE_COLS = ("adapter", "row_start", "row_end")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block sizes and path choices of one call; from `kernel_config` (cached per shape)."""
+
+    block_m: int = 128  # rows per tile, all kernels; a segment pads to a multiple of it
+    # fused base GEMM + LoRA expand (forward Y, backward dX)
+    gemm_block_n: int = 256
+    gemm_block_k: int = 64
+    gemm_warps: int = 8
+    gemm_stages: int = 3
+    group_m: int = 8  # m-tiles per L2 swizzle group
+    fused_base: bool = True  # False: cuBLAS base GEMM, then the LoRA term added in place
+    # shrink (S = dropout(x) A^T, dS = scale dY B)
+    shrink_block_m: int = 64  # divides block_m: each tile runs as block_m / shrink_block_m programs
+    shrink_block_k: int = 64
+    shrink_warps: int = 4
+    shrink_stages: int = 3
+    # row reductions (dB = scale dY^T S, dA = dS^T dropout(x))
+    reduce_block_m: int = 64  # rows per step
+    reduce_block_n: int = 64
+    reduce_warps: int = 4
+    reduce_stages: int = 3
+    chunk_rows: int = 1024  # rows per deterministic partial sum; multiple of block_m
+
+
+# Interpreter (CPU) blocks: small, so that tests run many tiles, K steps and chunks.
+INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, gemm_warps=4,
+                                gemm_stages=1, group_m=2, shrink_block_m=16, shrink_block_k=32,
+                                reduce_block_m=16, reduce_block_n=32,
+                                chunk_rows=32)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_config(tokens_bucket: int, rows_per_adapter_bucket: int, in_features: int,
+                  out_features: int, max_rank: int, on_cuda: bool) -> KernelConfig:
+    """Block sizes by shape (buckets are powers of two); measured defaults, see
+    benchmarks/KERNELS_NOTES.md. All configs were checked spill-free for sm_90 offline.
+
+    Small segments use 64-row tiles so that padding each segment to a tile wastes less.
+    """
+    if not on_cuda:
+        return INTERPRET_CONFIG
+    block_r = rank_blocks(max(max_rank, 1))[0]
+    small = rows_per_adapter_bucket <= 256
+    return KernelConfig(
+        block_m=64 if small else 128,
+        gemm_block_n=256, gemm_block_k=64, gemm_warps=8, gemm_stages=3,
+        shrink_block_m=64, shrink_block_k=64, shrink_warps=4 if block_r <= 64 else 8,
+        reduce_block_m=64, reduce_block_n=128 if block_r <= 32 else 64, reduce_warps=4,
+        chunk_rows=1024,
+    )
+
+
+def config_for(tokens: int, seg_lens: Sequence[int], in_features: int, out_features: int,
+               max_rank: int, on_cuda: bool) -> KernelConfig:
+    nonzero = [s for s in seg_lens if s > 0] or [1]
+    return kernel_config(_next_pow2(tokens), _next_pow2(max(1, tokens // len(nonzero))),
+                         in_features, out_features, max_rank, on_cuda)
+
+
+def rank_blocks(max_rank: int) -> tuple[int, int]:
+    """(BLOCK_R of the shrink/reduce outputs, BLOCK_R of the expand's rank loop).
+
+    The output block holds an adapter's whole rank up to 128 (x is read once); the expand
+    loops over an adapter's own rank in steps of up to 64, so small ranks are not padded to
+    the pack's largest rank there. Triton's dot needs blocks of at least 16.
+    """
+    return max(16, min(128, _next_pow2(max_rank))), max(16, min(64, _next_pow2(max_rank)))
+
+
+@dataclass
+class LoRABatchMeta:
+    """Routing tables of one packed call (see module docstring); build with `build`."""
+
+    tiles: torch.Tensor  # int64 [n_tiles, 3]: adapter, row_start, row_end (global rows)
+    chunks: torch.Tensor  # int64 [n_chunks, 3]: same, chunks of up to chunk_rows, LoRA adapters only
+    adapters_i: torch.Tensor  # int64 [n_adapters, len(ADAPTER_INT_COLS)]
+    adapters_f: torch.Tensor  # fp32 [n_adapters, len(ADAPTER_FLOAT_COLS)]
+    n_tiles: int
+    n_chunks: int
+    max_chunks_per_adapter: int
+    max_rank: int
+    rank_stride: int  # row stride of S / dS ([tokens, rank_stride] fp32)
+    block_r: int  # shrink / reduce output rank block
+    block_r_expand: int  # expand rank-loop step
+    has_dropout: bool
+    da_numel: int
+    db_numel: int
+    ranks: tuple[int, ...]
+    config: KernelConfig
+
+    def args(self) -> tuple:
+        """Tile-routed kernels' table arguments, in kernel order."""
+        return (self.tiles, self.adapters_i, self.adapters_f)
+
+    def chunk_args(self) -> tuple:
+        """Row-reduction kernels' table arguments, in kernel order."""
+        return (self.chunks, self.adapters_i, self.adapters_f)
+
+    @staticmethod
+    def build(
+        seg_lens: Sequence[int],
+        lora_a: Sequence[Optional[torch.Tensor]],
+        lora_b: Sequence[Optional[torch.Tensor]],
+        scales: Sequence[float],
+        dropout_p: Sequence[float],
+        seeds: Sequence[int],
+        in_features: int,
+        out_features: int,
+        device: torch.device,
+        config: KernelConfig,
+    ) -> "LoRABatchMeta":
+        bm, chunk_rows = config.block_m, config.chunk_rows
+        if chunk_rows % bm:
+            raise ValueError(f"`chunk_rows` ({chunk_rows}) must be a multiple of `block_m` ({bm}).")
+        ranks = tuple(0 if a is None or rows == 0 else int(a.shape[0]) for a, rows in zip(lora_a, seg_lens))
+        max_rank = max(ranks, default=0)
+        block_r, block_r_expand = rank_blocks(max(max_rank, 1))
+
+        tiles, chunks, rows_i, rows_f = [], [], [], []
+        start = da_off = db_off = 0
+        max_chunks = 0
+        for i, (rows, rank) in enumerate(zip(seg_lens, ranks)):
+            p = check_dropout_p(dropout_p[i]) if rank else 0.0
+            tiles += [(i, r0, min(r0 + bm, start + rows)) for r0 in range(start, start + rows, bm)]
+            first = len(chunks)
+            if rank:
+                chunks += [(i, r0, min(r0 + chunk_rows, start + rows))
+                           for r0 in range(start, start + rows, chunk_rows)]
+            n_chunks_i = len(chunks) - first
+            max_chunks = max(max_chunks, n_chunks_i)
+            a, b = lora_a[i], lora_b[i]
+            rows_i.append((rank, start, normalize_seed(seeds[i]), keep_threshold(p),
+                           a.data_ptr() if rank else 0, b.data_ptr() if rank else 0,
+                           da_off, db_off, first, n_chunks_i))
+            rows_f.append((float(scales[i]), 1.0 / (1.0 - p)))
+            if rank:  # an adapter with no rows gets no gradient (None), as in the reference
+                da_off += a.numel()
+                db_off += b.numel()
+            start += rows
+
+        def table(rows, width, dtype):
+            return torch.tensor(rows, dtype=dtype).reshape(-1, width).to(device, non_blocking=True)
+
+        return LoRABatchMeta(
+            tiles=table(tiles, len(TILE_COLS), torch.int64),
+            chunks=table(chunks, len(TILE_COLS), torch.int64),
+            adapters_i=table(rows_i, len(ADAPTER_INT_COLS), torch.int64),
+            adapters_f=table(rows_f, len(ADAPTER_FLOAT_COLS), torch.float32),
+            n_tiles=len(tiles),
+            n_chunks=len(chunks),
+            max_chunks_per_adapter=max_chunks,
+            max_rank=max_rank,
+            rank_stride=max(16, -(-max_rank // 16) * 16),
+            block_r=block_r,
+            block_r_expand=block_r_expand,
+            has_dropout=any(r > 0 and float(p) > 0 for r, p in zip(ranks, dropout_p)),
+            da_numel=da_off,
+            db_numel=db_off,
+            ranks=ranks,
+            config=config,
+        )

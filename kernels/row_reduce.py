@@ -1,0 +1,230 @@
+"""Adapter gradients: reductions over each adapter's own rows.
+
+dB_i = scale_i * dY_i^T @ S_i      ([out, r_i])
+dA_i = dS_i^T @ dropout(x_i)       ([r_i, in]; the mask regenerated from the seed)
+
+Stage 1 (`_row_reduce_kernel`): one program per (chunk, column block, rank block) sums its
+chunk's rows (chunks never span adapters) in fp32. When every adapter fits in one chunk it
+writes the final gradient directly; otherwise it writes a partial and stage 2
+(`_chunk_sum_kernel`) adds an adapter's partials in chunk order. Both orders are fixed, so
+the gradients are deterministic (no atomics), and an adapter's chunks start at its own first
+row. The MMAs use the big operand's dtype (bf16 on GPU) with fp32 accumulation; gradients are
+written in the adapters' dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_common import keep_mask, load_adapter
+from .dropout import dropout_keep_mask
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
+
+_DA_OFFSET_COL = ADAPTER_INT_COLS.index("da_offset")
+_DB_OFFSET_COL = ADAPTER_INT_COLS.index("db_offset")
+_CHUNK_FIRST_COL = ADAPTER_INT_COLS.index("chunk_first")
+
+
+@triton.jit
+def _store_grad(out_ptr, acc, adapters_i_ptr, adapter, rank, offs_n, offs_r, N,
+                OUT_IS_B: tl.constexpr, N_INT_COLS: tl.constexpr, OFFSET_COL: tl.constexpr):
+    """Store acc [BLOCK_N, BLOCK_R] as dB_i [N, rank] or dA_i [rank, N] in the flat grad buffer."""
+    offset = tl.load(adapters_i_ptr + adapter * N_INT_COLS + OFFSET_COL)
+    if OUT_IS_B:
+        ptrs = out_ptr + offset + offs_n[:, None].to(tl.int64) * rank + offs_r[None, :]
+    else:
+        ptrs = out_ptr + offset + offs_r[None, :].to(tl.int64) * N + offs_n[:, None]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_r < rank)[None, :])
+
+
+@triton.jit
+def _row_reduce_kernel(
+    # pointers
+    u_ptr,  # [M, N] rows: dY (for dB) or x (for dA)
+    v_ptr,  # [M, rank_stride] in u's dtype: S (for dB) or dS (for dA)
+    out_ptr,  # DIRECT: flat gradient buffer; else fp32 partials [n_chunks, N, rank_stride]
+    chunks_ptr,  # int64 [n_chunks, 3]: adapter, row_start, row_end
+    adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
+    adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    # sizes
+    N,
+    rank_stride,
+    # strides
+    stride_um,
+    stride_vm,
+    # meta-parameters
+    OUT_IS_B: tl.constexpr,  # True: dB_i [N, rank] (scale applied); False: dA_i [rank, N] (dropout on u)
+    DIRECT: tl.constexpr,  # every adapter has one chunk: write the gradient, not a partial
+    HAS_DROPOUT: tl.constexpr,  # some adapter has p > 0 (dA only)
+    N_INT_COLS: tl.constexpr,
+    N_FLOAT_COLS: tl.constexpr,
+    OFFSET_COL: tl.constexpr,  # column of the adapter's offset in the flat gradient buffer
+    BLOCK_M: tl.constexpr,  # rows per step
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    adapter = tl.load(chunks_ptr + chunk * 3).to(tl.int32)
+    row_start = tl.load(chunks_ptr + chunk * 3 + 1).to(tl.int32)
+    row_end = tl.load(chunks_ptr + chunk * 3 + 2).to(tl.int32)
+    rank, seg_start, seed, threshold, a_addr, b_addr, scale, inv_keep = load_adapter(
+        adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+    r0 = pid_r * BLOCK_R
+    if r0 >= rank:
+        return
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    n_mask = offs_n < N
+    r_mask = offs_r < rank
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    for m0 in range(row_start, row_end, BLOCK_M):
+        rows = m0 + offs_m
+        m_mask = rows < row_end
+        ut = tl.load(u_ptr + rows[:, None].to(tl.int64) * stride_um + offs_n[None, :],
+                     mask=m_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+        if not OUT_IS_B:
+            if HAS_DROPOUT:
+                if threshold > 0:
+                    keep = keep_mask(seed, (rows - seg_start).to(tl.int64), pid_n * BLOCK_N, N, threshold, BLOCK_N)
+                    ut = tl.where(keep, ut, tl.zeros_like(ut))
+        vt = tl.load(v_ptr + rows[:, None].to(tl.int64) * stride_vm + offs_r[None, :],
+                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+        acc = tl.dot(tl.trans(ut), vt.to(ut.dtype), acc)
+
+    if DIRECT:
+        if OUT_IS_B:
+            coef = scale
+        else:
+            coef = inv_keep
+        _store_grad(out_ptr, acc * coef, adapters_i_ptr, adapter, rank, offs_n, offs_r, N,
+                    OUT_IS_B, N_INT_COLS, OFFSET_COL)
+    else:
+        part_ptrs = (out_ptr + chunk.to(tl.int64) * N * rank_stride
+                     + offs_n[:, None].to(tl.int64) * rank_stride + offs_r[None, :])
+        tl.store(part_ptrs, acc, mask=n_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _chunk_sum_kernel(
+    # pointers
+    part_ptr,  # fp32 [n_chunks, N, rank_stride] partials of stage 1
+    out_ptr,  # flat gradient buffer
+    adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
+    adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    # sizes
+    N,
+    rank_stride,
+    # meta-parameters
+    OUT_IS_B: tl.constexpr,
+    N_INT_COLS: tl.constexpr,
+    N_FLOAT_COLS: tl.constexpr,
+    OFFSET_COL: tl.constexpr,
+    CHUNK_FIRST_COL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    adapter = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    rank, seg_start, seed, threshold, a_addr, b_addr, scale, inv_keep = load_adapter(
+        adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+    r0 = pid_r * BLOCK_R
+    if r0 >= rank:
+        return
+    first = tl.load(adapters_i_ptr + adapter * N_INT_COLS + CHUNK_FIRST_COL)
+    count = tl.load(adapters_i_ptr + adapter * N_INT_COLS + CHUNK_FIRST_COL + 1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    mask = (offs_n < N)[:, None] & (offs_r < rank)[None, :]
+    ptrs = part_ptr + first * N * rank_stride + offs_n[:, None].to(tl.int64) * rank_stride + offs_r[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    for _ in range(0, count):  # chunk order: deterministic
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += N * rank_stride
+    if OUT_IS_B:
+        coef = scale
+    else:
+        coef = inv_keep
+    _store_grad(out_ptr, acc * coef, adapters_i_ptr, adapter, rank, offs_n, offs_r, N,
+                OUT_IS_B, N_INT_COLS, OFFSET_COL)
+
+
+def lora_row_reduce(
+    u: torch.Tensor,  # [M, N] contiguous: dY (dB) or x (dA)
+    v: torch.Tensor,  # [M, meta.rank_stride] in u's dtype: S (dB) or dS (dA)
+    out: torch.Tensor,  # flat [meta.db_numel] (dB) or [meta.da_numel] (dA), adapters' dtype
+    meta: LoRABatchMeta,
+    out_is_b: bool,
+) -> torch.Tensor:
+    """All adapters' dB (out_is_b) or dA into one flat buffer, adapter i at its table offset."""
+    assert u.is_contiguous() and v.shape == (u.shape[0], meta.rank_stride)
+    cfg = meta.config
+    N = u.shape[1]
+    n_blocks = triton.cdiv(N, cfg.reduce_block_n)
+    r_blocks = triton.cdiv(meta.max_rank, meta.block_r)
+    if meta.n_chunks == 0 or r_blocks == 0:
+        return out
+    direct = meta.max_chunks_per_adapter <= 1
+    offset_col = _DB_OFFSET_COL if out_is_b else _DA_OFFSET_COL
+    common = dict(N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
+                  OFFSET_COL=offset_col, BLOCK_N=cfg.reduce_block_n, BLOCK_R=meta.block_r)
+    part = out if direct else torch.empty(meta.n_chunks, N, meta.rank_stride, device=u.device,
+                                          dtype=torch.float32)
+    _row_reduce_kernel[(meta.n_chunks, n_blocks, r_blocks)](
+        u, v, part, *meta.chunk_args(),
+        N, meta.rank_stride,
+        u.stride(0), v.stride(0),
+        OUT_IS_B=out_is_b,
+        DIRECT=direct,
+        HAS_DROPOUT=meta.has_dropout,
+        BLOCK_M=cfg.reduce_block_m,
+        num_warps=cfg.reduce_warps,
+        num_stages=cfg.reduce_stages,
+        **common,
+    )
+    if not direct:
+        n_adapters = meta.adapters_i.shape[0]
+        _chunk_sum_kernel[(n_adapters, n_blocks, r_blocks)](
+            part, out, meta.adapters_i, meta.adapters_f,
+            N, meta.rank_stride,
+            OUT_IS_B=out_is_b,
+            CHUNK_FIRST_COL=_CHUNK_FIRST_COL,
+            num_warps=4,
+            **common,
+        )
+    return out
+
+
+def reference_lora_row_reduce(
+    u: torch.Tensor,  # [M, N]: dY (dB) or x (dA)
+    v: torch.Tensor,  # [M, >= max rank]: S (dB) or dS (dA)
+    ranks: Sequence[int],
+    seg_lens: Sequence[int],
+    out_is_b: bool,
+    scales: Sequence[float],
+    dropout_p: Sequence[float],
+    seeds: Sequence[int],
+) -> list[Optional[torch.Tensor]]:
+    """fp32 per-adapter gradients (None where an adapter has no LoRA or no rows)."""
+    grads, start = [], 0
+    for i, (r, rows) in enumerate(zip(ranks, seg_lens)):
+        ui, vi = u[start : start + rows].float(), v[start : start + rows, :r].float()
+        start += rows
+        if r == 0 or rows == 0:
+            grads.append(None)
+        elif out_is_b:
+            grads.append(scales[i] * ui.t() @ vi)
+        else:
+            if dropout_p[i] > 0:
+                keep = dropout_keep_mask(seeds[i], rows, u.shape[1], dropout_p[i], device=u.device)
+                ui = ui * keep / (1.0 - dropout_p[i])
+            grads.append(vi.t() @ ui)
+    return grads

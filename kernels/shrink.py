@@ -1,0 +1,162 @@
+"""Segmented shrink: each tile's rows times its own adapter's low-rank matrix.
+
+Forward, S = dropout(x) @ A_i^T ([tokens, rank], LoRAFusion's split point): the dropout
+mask is regenerated from the adapter's seed in registers, so the dropped x never exists.
+Backward, dS = scale_i * dY @ B_i ([tokens, rank]). Both read the big operand (x or dY)
+once when the pack's largest rank fits one rank block (<= 128); the MMAs use the big
+operand's dtype (bf16 on GPU) with fp32 accumulation; S / dS are stored in that dtype too,
+since every MMA that reads them takes that dtype anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_common import keep_mask, load_adapter, tl_dtype
+from .dropout import dropout_keep_mask
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
+
+
+@triton.jit
+def _shrink_kernel(
+    # pointers
+    x_ptr,  # [M, K] rows: x (forward) or dY (backward)
+    out_ptr,  # [M, rank_stride] in x's dtype: S or dS
+    tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
+    adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
+    adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    # sizes
+    K,
+    # strides
+    stride_xm,
+    stride_om,
+    # meta-parameters
+    LORA_IS_B: tl.constexpr,  # False: contract with A_i [rank, K]; True: with B_i [K, rank]
+    LORA_DTYPE: tl.constexpr,  # element type of the adapters' tensors
+    APPLY_SCALE: tl.constexpr,  # multiply by the adapter's scale (dS)
+    HAS_DROPOUT: tl.constexpr,  # some adapter has p > 0: draw the mask on x (S)
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
+    N_INT_COLS: tl.constexpr,
+    N_FLOAT_COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program: the tile table's block_m / grid axis 1
+    BLOCK_R: tl.constexpr,  # rank columns per program; grid axis 2 covers the largest rank
+    BLOCK_K: tl.constexpr,  # reduction step over K
+):
+    tile = tl.program_id(0)
+    row_start = tl.load(tiles_ptr + tile * 3 + 1).to(tl.int32) + tl.program_id(1) * BLOCK_M
+    pid_r = tl.program_id(2)
+    adapter = tl.load(tiles_ptr + tile * 3).to(tl.int32)
+    row_end = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int32)
+    rank, seg_start, seed, threshold, a_addr, b_addr, scale, inv_keep = load_adapter(
+        adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+    r0 = pid_r * BLOCK_R
+    if r0 >= rank or row_start >= row_end:  # no LoRA here, rank block past its rank, or sub-tile past the segment
+        return
+
+    if LORA_IS_B:
+        lora_ptr = b_addr.to(tl.pointer_type(LORA_DTYPE))
+        stride_lk = rank
+        stride_lr = 1
+    else:
+        lora_ptr = a_addr.to(tl.pointer_type(LORA_DTYPE))
+        stride_lk = 1
+        stride_lr = K
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < row_end
+    r_mask = offs_r < rank
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    l_ptrs = lora_ptr + offs_k[:, None] * stride_lk + offs_r[None, :] * stride_lr
+    seg_rows = (offs_m - seg_start).to(tl.int64)  # rows within the adapter's segment: dropout counters
+
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            lt = tl.load(l_ptrs, mask=r_mask[None, :], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            lt = tl.load(l_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        if HAS_DROPOUT:
+            if threshold > 0:
+                keep = keep_mask(seed, seg_rows, k0, K, threshold, BLOCK_K)
+                xt = tl.where(keep, xt, tl.zeros_like(xt))
+        acc = tl.dot(xt, lt.to(xt.dtype), acc)
+        x_ptrs += BLOCK_K
+        l_ptrs += BLOCK_K * stride_lk
+
+    if HAS_DROPOUT:
+        acc = acc * inv_keep  # 1 / (1 - p); 1 for p == 0
+    if APPLY_SCALE:
+        acc = acc * scale
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [M, K], contiguous
+    out: torch.Tensor,  # [M, meta.rank_stride], x's dtype
+    meta: LoRABatchMeta,
+    lora_dtype: torch.dtype,
+    lora_is_b: bool,
+    apply_scale: bool,
+    dropout: bool,
+) -> torch.Tensor:
+    """Launch the shrink over every tile of `meta`; rows of adapters without LoRA are left unwritten."""
+    assert x.is_contiguous() and out.shape == (x.shape[0], meta.rank_stride)
+    cfg = meta.config
+    split_m = cfg.block_m // cfg.shrink_block_m  # smaller row blocks: more programs in flight
+    grid = (meta.n_tiles, split_m, triton.cdiv(meta.max_rank, meta.block_r))
+    if grid[0] == 0 or grid[2] == 0:
+        return out
+    K = x.shape[1]
+    _shrink_kernel[grid](
+        x, out, *meta.args(),
+        K,
+        x.stride(0), out.stride(0),
+        LORA_IS_B=lora_is_b,
+        LORA_DTYPE=tl_dtype(lora_dtype),
+        APPLY_SCALE=apply_scale,
+        HAS_DROPOUT=dropout and meta.has_dropout,
+        EVEN_K=K % cfg.shrink_block_k == 0,
+        N_INT_COLS=len(ADAPTER_INT_COLS),
+        N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
+        BLOCK_M=cfg.shrink_block_m,
+        BLOCK_R=meta.block_r,
+        BLOCK_K=cfg.shrink_block_k,
+        num_warps=cfg.shrink_warps,
+        num_stages=cfg.shrink_stages,
+    )
+    return out
+
+
+def reference_lora_shrink(
+    x: torch.Tensor,  # [M, K]
+    lora: Sequence[Optional[torch.Tensor]],  # A_i [r_i, K] or (lora_is_b) B_i [K, r_i], or None
+    seg_lens: Sequence[int],
+    lora_is_b: bool,
+    scales: Optional[Sequence[float]] = None,  # multiply by scale_i (dS)
+    dropout_p: Optional[Sequence[float]] = None,  # drop x first (S)
+    seeds: Optional[Sequence[int]] = None,
+) -> torch.Tensor:
+    """fp32 [M, max_rank]: segment i's rows hold its S (or dS) in columns < r_i, zeros elsewhere."""
+    ranks = [0 if t is None else t.shape[1 if lora_is_b else 0] for t in lora]
+    out = x.new_zeros(x.shape[0], max(ranks, default=0), dtype=torch.float32)
+    start = 0
+    for i, (t, rows) in enumerate(zip(lora, seg_lens)):
+        xi = x[start : start + rows].float()
+        if t is not None and rows:
+            if dropout_p is not None and dropout_p[i] > 0:
+                keep = dropout_keep_mask(seeds[i], rows, x.shape[1], dropout_p[i], device=x.device)
+                xi = xi * keep / (1.0 - dropout_p[i])
+            si = xi @ (t.float() if lora_is_b else t.float().t())
+            out[start : start + rows, : ranks[i]] = si * (scales[i] if scales is not None else 1.0)
+        start += rows
+    return out

@@ -1,0 +1,299 @@
+"""The Triton multi-LoRA kernels under TRITON_INTERPRET=1 on CPU fp32 tensors, against the
+torch references: outputs and every gradient (x, A_i, B_i) over random segment tables with
+empty and one-row segments, adapters without LoRA, odd ranks and 1..40 adapters; the dropout
+mask bit-equal to Triton's Philox and reproducible from each adapter's own seed."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before they are imported
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+# a module imported earlier in this process without the interpreter is decorated for GPUs: redo it
+for _name in ("_triton_common", "shrink", "lora_gemm", "row_reduce", "multi_lora"):
+    if f"lora_sweep.kernels.{_name}" in sys.modules:
+        importlib.reload(sys.modules[f"lora_sweep.kernels.{_name}"])
+
+from lora_sweep.kernels import (  # noqa: E402
+    dropout_keep_mask,
+    multi_lora_linear,
+    reference_multi_lora_linear,
+    triton_multi_lora_linear,
+)
+from lora_sweep.kernels._triton_common import keep_mask  # noqa: E402
+from lora_sweep.kernels.dropout import keep_threshold, philox_randint4x  # noqa: E402
+from lora_sweep.kernels.lora_gemm import lora_gemm, reference_lora_gemm  # noqa: E402
+from lora_sweep.kernels.metadata import INTERPRET_CONFIG, LoRABatchMeta  # noqa: E402
+from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
+from lora_sweep.kernels.shrink import lora_shrink, reference_lora_shrink  # noqa: E402
+
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+CONFIGS = {
+    "fused": INTERPRET_CONFIG,
+    "cublas_base": dataclasses.replace(INTERPRET_CONFIG, fused_base=False),
+    # 32-row tiles run as two 16-row shrink programs; 64-row chunks sum partials of several tiles
+    "split_chunks": dataclasses.replace(INTERPRET_CONFIG, block_m=32, shrink_block_m=16, chunk_rows=64),
+    # every adapter in one chunk: the reduction writes the gradients directly
+    "direct": dataclasses.replace(INTERPRET_CONFIG, chunk_rows=4096),
+}
+
+
+def assert_close(actual, expected, dtype=torch.float32, what=""):
+    # relative to the tensor's scale: gradients of long segments are sums of many terms
+    scale = max(expected.abs().max().item(), 1.0)
+    tol = TOL[dtype]
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= tol["atol"] * scale + tol["rtol"] * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
+
+
+# --------------------------------------------------------------------------- dropout masks
+
+
+@triton.jit
+def _randint4x_kernel(out_ptr, offsets_ptr, seed, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.load(offsets_ptr + i, mask=i < n, other=0)
+    r0, r1, r2, r3 = tl.randint4x(seed, offs)
+    for w, r in enumerate((r0, r1, r2, r3)):
+        tl.store(out_ptr + w * n + i, r.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF, mask=i < n)
+
+
+@triton.jit
+def _keep_mask_kernel(out_ptr, seed, rows, cols, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c0 = tl.program_id(1) * BLOCK_C
+    c = c0 + tl.arange(0, BLOCK_C)
+    keep = keep_mask(seed, r.to(tl.int64), c0, cols, threshold, BLOCK_C)
+    tl.store(out_ptr + r[:, None] * cols + c[None, :], keep.to(tl.int8), mask=(r < rows)[:, None] & (c < cols)[None, :])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 123456789, 2**40 + 7, -5])
+def test_philox_matches_triton_randint4x(seed):
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.cat([torch.arange(64), torch.randint(0, 2**62, (200,), generator=g)])
+    out = torch.zeros(4, offsets.numel(), dtype=torch.int64)
+    _randint4x_kernel[(triton.cdiv(offsets.numel(), 64),)](out, offsets, seed, offsets.numel(), BLOCK=64)
+    for w, ref in enumerate(philox_randint4x(seed, offsets)):
+        assert torch.equal(out[w], ref), f"word {w}"
+
+
+@pytest.mark.parametrize("rows,cols,p,seed", [(5, 37, 0.3, 7), (33, 64, 0.05, 2**35), (1, 3, 0.5, -1)])
+def test_keep_mask_bit_equal_to_kernel(rows, cols, p, seed):
+    out = torch.zeros(rows, cols, dtype=torch.int8)
+    _keep_mask_kernel[(triton.cdiv(rows, 16), triton.cdiv(cols, 16))](
+        out, seed, rows, cols, keep_threshold(p), BLOCK_R=16, BLOCK_C=16)
+    assert torch.equal(out.bool(), dropout_keep_mask(seed, rows, cols, p))
+
+
+def test_keep_mask_rate_and_seeding():
+    m = dropout_keep_mask(3, 256, 256, 0.25)
+    assert abs(m.float().mean().item() - 0.75) < 0.01
+    assert torch.equal(m, dropout_keep_mask(3, 256, 256, 0.25))
+    assert not torch.equal(m, dropout_keep_mask(4, 256, 256, 0.25))
+    # a segment's first rows do not depend on how many rows follow
+    assert torch.equal(m[:10], dropout_keep_mask(3, 10, 256, 0.25))
+    assert dropout_keep_mask(3, 4, 5, 0.0).all()
+    with pytest.raises(ValueError, match="dropout_p"):
+        dropout_keep_mask(3, 4, 5, 1.0)
+
+
+# --------------------------------------------------------------------------- the fused op
+
+
+def random_case(n_adapters, seed, in_f=40, out_f=56, max_rows=24, dropout=True, ranks=(1, 3, 8, 16, 17, 33)):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    seg_lens = [rng.choice([0, 1, rng.randint(2, max_rows)]) for _ in range(n_adapters)]
+    if sum(seg_lens) == 0:
+        seg_lens[0] = 5
+    lora_a, lora_b = [], []
+    for _ in range(n_adapters):
+        if rng.random() < 0.2:
+            lora_a.append(None)
+            lora_b.append(None)
+            continue
+        r = rng.choice(ranks)
+        lora_a.append(torch.randn(r, in_f, requires_grad=True))
+        lora_b.append(torch.randn(out_f, r, requires_grad=True))  # not PEFT's zeros: gradients must flow
+    scales = [rng.choice([0.25, 1.0, 2.0]) for _ in range(n_adapters)]
+    dropout_p = [rng.choice([0.0, 0.1, 0.5]) if dropout else 0.0 for _ in range(n_adapters)]
+    seeds = [rng.randint(-2**40, 2**40) for _ in range(n_adapters)]
+    x = torch.randn(sum(seg_lens), in_f, requires_grad=True)
+    weight = torch.randn(out_f, in_f)
+    bias = torch.randn(out_f) if rng.random() < 0.7 else None
+    return x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds
+
+
+def check_against_reference(case, config):
+    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
+    y = triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds, config=config)
+    y_ref = reference_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds)
+    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    assert_close(y, y_ref, what="output")
+
+    params = [x] + [t for pair in zip(lora_a, lora_b) for t in pair if t is not None]
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, params, dy, allow_unused=True)
+    grads_ref = torch.autograd.grad(y_ref, params, dy, allow_unused=True)
+    for k, (g, g_ref) in enumerate(zip(grads, grads_ref)):
+        if g_ref is None:  # adapter with no rows: no gradient, as in the reference
+            assert g is None or not g.any(), f"grad {k}"
+            continue
+        assert g.dtype == params[k].dtype and g.shape == params[k].shape
+        assert_close(g, g_ref, what=f"grad {k}")
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("n_adapters,seed", [(1, 0), (2, 1), (5, 2), (13, 3)])
+def test_matches_reference(n_adapters, seed, config):
+    check_against_reference(random_case(n_adapters, seed), CONFIGS[config])
+
+
+def test_matches_reference_forty_adapters():
+    check_against_reference(random_case(40, 7, max_rows=6), CONFIGS["split_chunks"])
+
+
+def test_large_ranks_span_several_rank_blocks():
+    # rank 130 > the shrink's 128-wide block and > the expand's 64-wide rank step
+    case = random_case(3, 11, in_f=24, out_f=20, max_rows=20, ranks=(130, 5))
+    check_against_reference(case, CONFIGS["fused"])
+
+
+def test_no_lora_at_all_and_no_rows():
+    x, weight, bias, *_ = random_case(1, 0)
+    y = triton_multi_lora_linear(x, weight, bias, [None, None], [None, None], [1.0, 1.0], [0.0, 0.0],
+                                 [x.shape[0], 0], config=INTERPRET_CONFIG)
+    assert_close(y, torch.nn.functional.linear(x, weight, bias), what="base only")
+    empty = torch.zeros(0, weight.shape[1])
+    a, b = torch.randn(4, weight.shape[1]), torch.randn(weight.shape[0], 4)
+    y = triton_multi_lora_linear(empty, weight, None, [a], [b], [1.0], [0.1], [0], config=INTERPRET_CONFIG)
+    assert y.shape == (0, weight.shape[0])
+
+
+def test_only_adapter_grads_or_only_x_grad():
+    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = random_case(4, 5)
+    x = x.detach()
+    y = triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds,
+                                 config=INTERPRET_CONFIG)
+    y.sum().backward()  # x needs no gradient: dX is skipped
+    x.requires_grad_(True)
+    frozen = [None if a is None else a.detach() for a in lora_a]
+    frozen_b = [None if b is None else b.detach() for b in lora_b]
+    y = triton_multi_lora_linear(x, weight, bias, frozen, frozen_b, scales, dropout_p, seg_lens, seeds,
+                                 config=INTERPRET_CONFIG)
+    (g,) = torch.autograd.grad(y.sum(), [x])
+    y_ref = reference_multi_lora_linear(x, weight, bias, frozen, frozen_b, scales, dropout_p, seg_lens, seeds)
+    assert_close(g, torch.autograd.grad(y_ref.sum(), [x])[0], what="dx")
+
+
+def test_adapter_result_independent_of_pack_position():
+    """Dropout counters start at each adapter's own first row: the same adapter with the same
+    seed gives the same output and gradients alone or packed behind others."""
+    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = random_case(3, 9, dropout=False)
+    a = torch.randn(17, x.shape[1], requires_grad=True)
+    b = torch.randn(weight.shape[0], 17, requires_grad=True)
+    xi = torch.randn(13, x.shape[1])
+    alone = triton_multi_lora_linear(xi, weight, bias, [a], [b], [0.5], [0.3], [13], [99], config=INTERPRET_CONFIG)
+    ga = torch.autograd.grad(alone.sum(), [a, b])
+    packed_x = torch.cat([x.detach(), xi])
+    packed = triton_multi_lora_linear(packed_x, weight, bias, lora_a + [a], lora_b + [b], scales + [0.5],
+                                      dropout_p + [0.3], seg_lens + [13], seeds + [99], config=INTERPRET_CONFIG)
+    gp = torch.autograd.grad(packed[-13:].sum(), [a, b])
+    assert_close(packed[-13:], alone, what="output")
+    for g1, g2 in zip(ga, gp):
+        assert_close(g1, g2, what="grad")
+
+
+def test_dropout_masks_the_lora_branch_only():
+    """p close to 1 drops almost all of the LoRA input, never the base path."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(9, 32), torch.randn(24, 32)
+    a, b = torch.randn(4, 32), torch.randn(24, 4)
+    y = triton_multi_lora_linear(x, weight, None, [a], [b], [1.0], [0.5], [9], [1], config=INTERPRET_CONFIG)
+    keep = dropout_keep_mask(1, 9, 32, 0.5)
+    expected = x @ weight.t() + ((x * keep / 0.5) @ a.t()) @ b.t()
+    assert_close(y, expected, what="dropout on the LoRA input")
+
+
+# --------------------------------------------------------------------------- each kernel vs its reference
+
+
+def _meta(case, config):
+    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
+    return LoRABatchMeta.build(seg_lens, lora_a, lora_b, scales, dropout_p, seeds,
+                               weight.shape[1], weight.shape[0], x.device, config)
+
+
+@pytest.mark.parametrize("config", ["fused", "split_chunks"])
+def test_each_kernel_matches_its_reference(config):
+    case = random_case(6, 21)
+    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
+    x = x.detach()
+    meta = _meta(case, CONFIGS[config])
+    ranks = [0 if a is None else a.shape[0] for a in lora_a]
+    rows_with_lora = torch.cat([torch.full((n,), r > 0) for n, r in zip(seg_lens, ranks)])
+
+    s = torch.zeros(x.shape[0], meta.rank_stride)
+    lora_shrink(x, s, meta, torch.float32, lora_is_b=False, apply_scale=False, dropout=True)
+    s_ref = reference_lora_shrink(x, lora_a, seg_lens, False, dropout_p=dropout_p, seeds=seeds)
+    assert_close(s[:, : s_ref.shape[1]][rows_with_lora], s_ref[rows_with_lora], what="shrink S")
+
+    dy = torch.randn(x.shape[0], weight.shape[0])
+    ds = torch.zeros_like(s)
+    lora_shrink(dy, ds, meta, torch.float32, lora_is_b=True, apply_scale=True, dropout=False)
+    ds_ref = reference_lora_shrink(dy, lora_b, seg_lens, True, scales=scales)
+    assert_close(ds[:, : ds_ref.shape[1]][rows_with_lora], ds_ref[rows_with_lora], what="shrink dS")
+
+    y = torch.empty(x.shape[0], weight.shape[0])
+    lora_gemm(x, weight, bias, s, y, meta, torch.float32, forward=True, fused_base=True)
+    y_ref = reference_lora_gemm(x, weight, bias, s, lora_b, seg_lens, True, scales, dropout_p, seeds)
+    assert_close(y, y_ref, what="gemm forward")
+    dx = torch.empty_like(x)
+    lora_gemm(dy, weight, None, ds, dx, meta, torch.float32, forward=False, fused_base=True)
+    dx_ref = reference_lora_gemm(dy, weight, None, ds, lora_a, seg_lens, False, scales, dropout_p, seeds)
+    assert_close(dx, dx_ref, what="gemm backward")
+
+    for out_is_b, u, v, numel in ((True, dy, s, meta.db_numel), (False, x, ds, meta.da_numel)):
+        flat = torch.zeros(numel)
+        lora_row_reduce(u, v, flat, meta, out_is_b=out_is_b)
+        refs = reference_lora_row_reduce(u, v, meta.ranks, seg_lens, out_is_b, scales, dropout_p, seeds)
+        got = torch.cat([g.reshape(-1) for g in refs if g is not None]) if any(g is not None for g in refs) \
+            else torch.zeros(0)
+        assert_close(flat, got, what="dB" if out_is_b else "dA")
+
+
+# --------------------------------------------------------------------------- public entry point
+
+
+def test_public_entry_on_cpu_is_the_reference(monkeypatch):
+    case = random_case(4, 3)
+    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
+    y = multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds)
+    y_ref = reference_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds)
+    assert torch.equal(y, y_ref)
+    monkeypatch.setenv("LORA_SWEEP_KERNELS", "torch")
+    assert torch.equal(multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds), y_ref)
+
+
+def test_bad_inputs_raise():
+    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = random_case(2, 1)
+    with pytest.raises(ValueError, match="seg_lens"):
+        triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, [1, 1], seeds)
+    with pytest.raises(ValueError, match="one entry per adapter"):
+        triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales[:1], dropout_p, seg_lens, seeds)
+    with pytest.raises(ValueError, match="dropout_p"):
+        a, b = torch.randn(2, x.shape[1]), torch.randn(weight.shape[0], 2)
+        triton_multi_lora_linear(x, weight, bias, [a], [b], [1.0], [1.0], [x.shape[0]], 0)
+    with pytest.raises(ValueError, match="expected A"):
+        triton_multi_lora_linear(x, weight, bias, [torch.randn(2, 3)], [torch.randn(3, 2)], [1.0], [0.0],
+                                 [x.shape[0]], 0)

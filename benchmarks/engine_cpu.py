@@ -45,7 +45,7 @@ def main():
     torch.set_num_threads(args.threads)
     train, dev = tiny_task_paths()
     out_dir = tempfile.mkdtemp()
-    spec = ls.JobSpec(base_model=tiny_model_path(), train_data=train, eval_data=None, max_seq_len=64,
+    spec = ls.JobSpec(base_model=tiny_model_path(), train_data=train, eval_data=None, max_seq_len=24,
                       eval_every=10**9, output_dir=out_dir, device="cpu", padding="longest")
     trials = eight_trials(args.steps)
 

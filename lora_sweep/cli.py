@@ -16,6 +16,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .config import ConfigError, TrialConfig
+from .space import Categorical, Float, random_configs
 
 SWEEP_KEYS = {
     # the base model and the job: what every trial shares
@@ -81,7 +82,13 @@ def _parser() -> argparse.ArgumentParser:
                       "its model, GPU, sequence length and dtype replace the file's")
     plan.set_defaults(func=_plan)
 
-    demo = commands.add_parser("demo", help="train a tiny packed sweep on this machine")
+    demo = commands.add_parser("demo", help="train a tiny packed sweep on this machine",
+                               description="A packed sweep on the bundled tiny model: prints the trials' "
+                               "results and saves the best adapter.")
+    demo.add_argument("--trials", type=int, default=8, help="trials packed into one job (default 8)")
+    demo.add_argument("--steps", type=int, default=60, help="optimizer steps per trial (default 60)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random search (default 0)")
+    demo.add_argument("--output-dir", default="lora_sweep_runs/demo", help="where adapters are saved")
     demo.set_defaults(func=_demo)
 
     run = commands.add_parser("run", help="train the trials of a sweep file")
@@ -214,12 +221,65 @@ def _numbers(values: dict) -> dict:
 # --------------------------------------------------------------------------- demo and run
 
 
+# The tiny task wants larger learning rates than PLoRA's space (2e-5..4e-4) to move in a
+# minute of CPU time; the spread is wide on purpose so that good and bad trials differ clearly.
+DEMO_SPACE = {
+    "learning_rate": Float(1e-5, 1e-2, log=True),
+    "rank": Categorical([4, 8, 16]),
+    "alpha_ratio": Categorical([1.0, 2.0, 4.0]),
+    "batch_size": Categorical([2, 4, 8]),
+}
+
+
 def _demo(args: argparse.Namespace) -> int:
-    raise NotImplementedError("filled in by the engine work")
+    import shutil
+
+    from .config import JobSpec
+    from .engine import Failed, Finished, PackedJob
+    from .tiny import tiny_model_path, tiny_task_paths
+
+    train, dev = tiny_task_paths()
+    spec = JobSpec(base_model=tiny_model_path(), train_data=train, eval_data=dev, max_seq_len=24,
+                   eval_every=max(1, args.steps // 3), output_dir=args.output_dir, device="cpu")
+    trials = random_configs(DEMO_SPACE, args.trials, seed=args.seed,
+                            defaults={"max_steps": args.steps, "dropout": 0.05})
+    for i, t in enumerate(trials):
+        t.trial_id = f"trial-{i}"
+    print(f"Training {len(trials)} LoRA trials packed on one tiny base model ({args.steps} steps each)...")
+    job = PackedJob(spec, trials)
+    results = {}
+    for event in job.run():
+        if isinstance(event, Finished):
+            results[event.trial_id] = event
+        elif isinstance(event, Failed):
+            print(f"  {event.trial_id} failed: {event.reason}")
+
+    by_id = {t.trial_id: t for t in trials}
+    ranked = sorted(results.values(), key=lambda e: e.metrics["eval_loss"])
+    print(_table(["trial", "rank", "alpha", "lr", "batch", "eval loss", "tokens/s"],
+                 [[e.trial_id, by_id[e.trial_id].rank, f"{by_id[e.trial_id].alpha:g}",
+                   f"{by_id[e.trial_id].learning_rate:.2e}", by_id[e.trial_id].batch_size,
+                   f"{e.metrics['eval_loss']:.3f}", f"{e.metrics['tokens_per_second']:,.0f}"] for e in ranked]))
+    if not ranked:
+        return 1
+    best = os.path.join(args.output_dir, "best_adapter")
+    shutil.copytree(ranked[0].adapter_dir, best, dirs_exist_ok=True)
+    print(f"\nBest: {ranked[0].trial_id} (eval loss {ranked[0].metrics['eval_loss']:.3f}, worst "
+          f"{ranked[-1].metrics['eval_loss']:.3f}). Its PEFT adapter is in {best}:\n"
+          f"  from peft import PeftModel\n"
+          f"  model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({tiny_model_path()!r}), {best!r})")
+    return 0
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
 
 
 def _run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("filled in by the engine work")
+    raise NotImplementedError("`lora-sweep run` is not available yet; use PackedJob or the tuner integrations.")
 
 
 if __name__ == "__main__":

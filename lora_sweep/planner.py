@@ -168,6 +168,7 @@ def _hms(seconds: float) -> str:
 # --------------------------------------------------------------------------- one job: the throughput MILP
 
 Objective = Literal["tokens", "rank"]
+JOB_MILP_TIME_LIMIT_S = 2.0  # a safety net per solve (they take milliseconds): the best job so far stands
 
 
 def _value(cm: CostModel, trial: TrialConfig, objective: Objective) -> float:
@@ -264,9 +265,9 @@ class _JobMILP:
         for _ in range(50):  # Dinkelbach converges superlinearly; a handful of rounds in practice
             lam = self.ratio(x)
             self.lam.value = lam
-            self.problem.solve(solver=cp.HIGHS, mip_rel_gap=1e-7)
+            self.problem.solve(solver=cp.HIGHS, mip_rel_gap=1e-7, time_limit=JOB_MILP_TIME_LIMIT_S)
             if self.x.value is None:
-                logger.warning("The job MILP ended with status %s; keeping the best job so far.", self.problem.status)
+                logger.info("The job MILP ended with status %s; keeping the best job so far.", self.problem.status)
                 break
             y = self.x.value > 0.5
             if not y.any() or not self.feasible(y, max_seconds) or self.ratio(y) <= lam * (1 + 1e-9):

@@ -190,14 +190,21 @@ def test_empty_plan():
 
 
 def test_admit_in_arrival_order(cm):
+    def fifo(running, pending, d):  # the longest prefix of `pending` that fits with `running`
+        k = 0
+        while k < len(pending) and cm.fits(running + pending[: k + 1], d):
+            k += 1
+        return pending[:k]
+
     running = [TrialConfig(rank=16, batch_size=8)]
     pending = [TrialConfig(rank=16, batch_size=4, trial_id="a"), TrialConfig(rank=16, batch_size=16, trial_id="b"),
                TrialConfig(rank=8, batch_size=1, trial_id="c")]
-    admitted = admit(running, pending, cm, num_gpus=1)
-    assert [t.trial_id for t in admitted] == ["a"]  # b does not fit now; c must not overtake it
-    assert cm.fits(running + admitted, 1) and not cm.fits(running + pending[:2], 1)
-    assert [t.trial_id for t in admit(running, pending, cm, num_gpus=2)] == ["a", "b", "c"]
-    assert [t.trial_id for t in admit([], pending, cm, num_gpus=1)] == ["a", "b", "c"]
+    assert [t.trial_id for t in admit(running, pending, cm, num_gpus=1)] == ["a"]
+    assert cm.fits(running + [pending[0], pending[2]], 1)  # c would fit, but must not overtake b
+    for d in (1, 2, 4):
+        for run in ([], running):
+            assert admit(run, pending, cm, num_gpus=d) == fifo(run, pending, d)
+    assert len(admit(running, pending, cm, num_gpus=4)) == 3
 
 
 def test_admit_caps_adapters_and_skips_trials_that_never_fit(cm):

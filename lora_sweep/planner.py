@@ -628,7 +628,7 @@ def pack_microbatches(
         .. code::
 
             batches = pack_microbatches([900, 300, 700, 120, 2000], capacity_tokens=1024)
-            # [[4], [0, 3], [2, 1]]: the oversized sample alone, then two that fit
+            # [[4], [0, 3], [1, 2]]: the oversized sample alone, then two that fit
 
     Args:
         sample_lengths:

@@ -1,7 +1,7 @@
 """A packed LoRA hyperparameter sweep with Optuna.
 
-With no arguments it tunes the bundled tiny model on its toy task, on the CPU, in about a
-minute:
+With no arguments it tunes the bundled tiny model on its toy task, on the CPU, in
+a minute or two:
 
     python examples/optuna_sweep.py
 
@@ -48,7 +48,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=30, help="Optimizer steps of each trial.")
     parser.add_argument("--eval-every", type=int, default=5, help="Steps between evaluations (and pruning).")
     parser.add_argument("--batch-size", type=int, help="Fix the batch size instead of tuning it.")
-    parser.add_argument("--max-seq-len", type=int, default=256)
+    parser.add_argument("--max-seq-len", type=int, help="Longest sample in tokens (default: 64 for the tiny "
+                                                            "model, 512 otherwise).")
+    parser.add_argument("--max-eval-samples", type=int, help="Evaluate on at most this many rows (default: 64 "
+                                                              "for the tiny model, all otherwise).")
     parser.add_argument("--max-concurrent", type=int, default=8, help="Most trials packed into one job.")
     parser.add_argument("--devices", nargs="+", help="Devices of this worker, one packed job each (cuda:0 cuda:1).")
     parser.add_argument("--output-dir", default="lora_sweep_runs", help="Adapters are saved here.")
@@ -74,12 +77,14 @@ def main() -> None:
         from lora_sweep.tiny import tiny_model_path, tiny_task_paths
 
         model, (train, dev), space = tiny_model_path(), tiny_task_paths(), TINY_SPACE
+        args.max_seq_len = args.max_seq_len or 64
+        args.max_eval_samples = args.max_eval_samples or 64
     else:
         model, train, dev, space = args.model, args.train, args.eval, None  # None: PLoRA's Table 1
     if train is None or dev is None:
         raise SystemExit("--model needs --train and --eval.")
-    spec = ls.JobSpec(base_model=model, train_data=train, eval_data=dev, max_seq_len=args.max_seq_len,
-                      eval_every=args.eval_every, output_dir=args.output_dir)
+    spec = ls.JobSpec(base_model=model, train_data=train, eval_data=dev, max_seq_len=args.max_seq_len or 512,
+                      max_eval_samples=args.max_eval_samples, eval_every=args.eval_every, output_dir=args.output_dir)
 
     # the study: TPE that spreads out the many trials in flight, successive halving from the first eval
     study = optuna.create_study(

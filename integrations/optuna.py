@@ -455,14 +455,16 @@ class _JobFeeder:
                         if self.sweep.aborted.is_set():
                             return
             except torch.cuda.OutOfMemoryError as err:
-                # The engine shrinks its microbatches on OOM; an OOM that still escapes it is
-                # blamed on the newest trial, which leaves so the others can go on.
-                if not self.in_flight:
+                # On OOM the engine shrinks its microbatches, then moves the newest adapters out
+                # until others leave; what still escapes it is a trial that does not fit alone.
+                # It fails, and the others go on.
+                active = [tid for tid in self.in_flight if tid in self.job.trials]
+                if not active:
                     raise
-                newest = list(self.in_flight)[-1]
-                self.job.remove_trial(newest)
-                torch.cuda.empty_cache()
-                self._end(newest, "fail", reason=f"out of memory: {err}")
+                self.job.remove_trial(active[-1])
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                self._end(active[-1], "fail", reason=f"out of memory: {err}")
                 continue
             for trial_id in list(self.in_flight):  # run() ended: the job has no trial left
                 self._end(trial_id, "fail", reason="the packed job ended without finishing this trial")
@@ -480,6 +482,8 @@ class _JobFeeder:
                     continue
             trial, cfg = self.waiting
             running = [f.cfg for f in self.in_flight.values()]
+            if running and self.job.waiting:
+                return  # the job ran out of memory and moved trials out: no newcomer until they are back
             if not self.sampler._admission.admits(running, cfg):
                 if running:
                     return  # it waits for a trial to leave

@@ -163,6 +163,28 @@ def test_invalid_and_diverging_configs_fail_alone(spec):
     assert study.trials[0].user_attrs["pack_id"] is None  # never joined a job
 
 
+def test_a_trial_out_of_memory_fails_alone(spec, monkeypatch):
+    """With the engine's OOM test hook, every microbatch runs out of memory while trial 2 is in
+    the job: the engine moves it out until its pack-mates finish, then it fails alone."""
+    doomed = "oom-trial-2"
+
+    class TightMemoryJob(ls.PackedJob):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.simulated_oom = lambda padded_tokens, active_adapters: doomed in self.trials
+
+    monkeypatch.setattr(lso, "PackedJob", TightMemoryJob)
+    study = optuna.create_study(study_name="oom", pruner=NO_PRUNING)
+    sampler = PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": 3, "batch_size": 2},
+                                max_concurrent=3)
+    sampler.optimize(n_trials=5, show_progress_bar=False)
+
+    assert study.trials[2].state == TrialState.FAIL
+    assert "out of memory" in study.trials[2].user_attrs["fail_reason"]
+    assert [t.state for t in study.trials if t.number != 2] == [TrialState.COMPLETE] * 4
+    assert len({t.user_attrs["pack_id"] for t in study.trials}) == 1
+
+
 def test_default_space_is_plora_table_1_with_alpha_as_a_multiple_of_rank(spec):
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1), pruner=NO_PRUNING)
     sampler = PackedLoRASampler(study, spec, trial_defaults={"max_steps": 1})

@@ -51,9 +51,3 @@ def _fold31(r):
     r = r.to(tl.int32, bitcast=True)
     return tl.where(r < 0, ~r, r)
 
-
-def tl_dtype(dtype):
-    """Triton element type of a torch dtype (for the adapters' pointer casts)."""
-    import torch
-
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import keep_mask, load_adapter, tl_dtype
+from ._triton_common import keep_mask, load_adapter
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 
@@ -38,6 +38,7 @@ def _lora_gemm_kernel(
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    lora_ref_ptr,  # any adapter tensor: its element type is the adapters' (their addresses are in the table)
     # sizes
     N,
     K,
@@ -50,7 +51,6 @@ def _lora_gemm_kernel(
     stride_om,
     # meta-parameters
     LORA_IS_B: tl.constexpr,  # True: expand with B_i [N, rank] (forward); False: with A_i [rank, N] (backward)
-    LORA_DTYPE: tl.constexpr,  # element type of the adapters' tensors
     APPLY_SCALE: tl.constexpr,  # multiply the LoRA term by scale_i (forward)
     OUT_DROPOUT: tl.constexpr,  # mask the LoRA term with the adapter's dropout mask (backward)
     HAS_BIAS: tl.constexpr,
@@ -96,11 +96,11 @@ def _lora_gemm_kernel(
             if threshold > 0:
                 keep = keep_mask(seed, (offs_m - seg_start).to(tl.int64), pid_n * BLOCK_N, N, threshold, BLOCK_N)
         if LORA_IS_B:
-            lora_ptr = b_addr.to(tl.pointer_type(LORA_DTYPE))
+            lora_ptr = b_addr.to(tl.pointer_type(lora_ref_ptr.dtype.element_ty))
             stride_lr = 1
             stride_ln = rank
         else:
-            lora_ptr = a_addr.to(tl.pointer_type(LORA_DTYPE))
+            lora_ptr = a_addr.to(tl.pointer_type(lora_ref_ptr.dtype.element_ty))
             stride_lr = N
             stride_ln = 1
         offs_r = tl.arange(0, BLOCK_R)
@@ -153,7 +153,6 @@ def lora_gemm(
     s: torch.Tensor,  # [M, meta.rank_stride] in a's dtype: S or dS
     out: torch.Tensor,  # [M, N]: written, or (fused_base=False) already holding the base product
     meta: LoRABatchMeta,
-    lora_dtype: torch.dtype,
     forward: bool,  # True: Y (B_i, scale, bias); False: dX (A_i, dropout mask)
     fused_base: bool,
 ) -> torch.Tensor:
@@ -167,11 +166,10 @@ def lora_gemm(
     if grid[0] == 0 or (not fused_base and meta.max_rank == 0 and bias is None):
         return out
     _lora_gemm_kernel[grid](
-        a, w, bias if bias is not None else out, s, out, *meta.args(),
+        a, w, bias if bias is not None else out, s, out, *meta.args(), meta.lora_ref,
         N, K, meta.n_tiles,
         a.stride(0), stride_wk, stride_wn, s.stride(0), out.stride(0),
         LORA_IS_B=forward,
-        LORA_DTYPE=tl_dtype(lora_dtype),
         APPLY_SCALE=forward,
         OUT_DROPOUT=(not forward) and meta.has_dropout,
         HAS_BIAS=bias is not None,

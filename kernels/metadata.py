@@ -112,13 +112,14 @@ class LoRABatchMeta:
     n_chunks: int
     max_chunks_per_adapter: int
     max_rank: int
-    rank_stride: int  # row stride of S / dS ([tokens, rank_stride] fp32)
+    rank_stride: int  # row stride of S / dS ([tokens, rank_stride] in x's dtype)
     block_r: int  # shrink / reduce output rank block
     block_r_expand: int  # expand rank-loop step
     has_dropout: bool
     da_numel: int
     db_numel: int
     ranks: tuple[int, ...]
+    lora_ref: torch.Tensor  # an adapter tensor (or a 1-element fp32 stand-in): the adapters' dtype for the kernels
     config: KernelConfig
 
     def args(self) -> tuple:
@@ -148,40 +149,31 @@ class LoRABatchMeta:
         ranks = tuple(0 if a is None or rows == 0 else int(a.shape[0]) for a, rows in zip(lora_a, seg_lens))
         max_rank = max(ranks, default=0)
         block_r, block_r_expand = rank_blocks(max(max_rank, 1))
+        tiles, chunks, chunk_first, chunk_count = _routing_tables(
+            tuple(int(s) for s in seg_lens), tuple(r > 0 for r in ranks), bm, chunk_rows, torch.device(device))
 
-        tiles, chunks, rows_i, rows_f = [], [], [], []
+        rows_i, rows_f = [], []
         start = da_off = db_off = 0
-        max_chunks = 0
         for i, (rows, rank) in enumerate(zip(seg_lens, ranks)):
             p = check_dropout_p(dropout_p[i]) if rank else 0.0
-            tiles += [(i, r0, min(r0 + bm, start + rows)) for r0 in range(start, start + rows, bm)]
-            first = len(chunks)
-            if rank:
-                chunks += [(i, r0, min(r0 + chunk_rows, start + rows))
-                           for r0 in range(start, start + rows, chunk_rows)]
-            n_chunks_i = len(chunks) - first
-            max_chunks = max(max_chunks, n_chunks_i)
             a, b = lora_a[i], lora_b[i]
             rows_i.append((rank, start, normalize_seed(seeds[i]), keep_threshold(p),
                            a.data_ptr() if rank else 0, b.data_ptr() if rank else 0,
-                           da_off, db_off, first, n_chunks_i))
+                           da_off, db_off, chunk_first[i], chunk_count[i]))
             rows_f.append((float(scales[i]), 1.0 / (1.0 - p)))
             if rank:  # an adapter with no rows gets no gradient (None), as in the reference
                 da_off += a.numel()
                 db_off += b.numel()
             start += rows
 
-        def table(rows, width, dtype):
-            return torch.tensor(rows, dtype=dtype).reshape(-1, width).to(device, non_blocking=True)
-
         return LoRABatchMeta(
-            tiles=table(tiles, len(TILE_COLS), torch.int64),
-            chunks=table(chunks, len(TILE_COLS), torch.int64),
-            adapters_i=table(rows_i, len(ADAPTER_INT_COLS), torch.int64),
-            adapters_f=table(rows_f, len(ADAPTER_FLOAT_COLS), torch.float32),
-            n_tiles=len(tiles),
-            n_chunks=len(chunks),
-            max_chunks_per_adapter=max_chunks,
+            tiles=tiles,
+            chunks=chunks,
+            adapters_i=_table(rows_i, len(ADAPTER_INT_COLS), torch.int64, device),
+            adapters_f=_table(rows_f, len(ADAPTER_FLOAT_COLS), torch.float32, device),
+            n_tiles=tiles.shape[0],
+            n_chunks=chunks.shape[0],
+            max_chunks_per_adapter=max(chunk_count, default=0),
             max_rank=max_rank,
             rank_stride=max(16, -(-max_rank // 16) * 16),
             block_r=block_r,
@@ -190,5 +182,28 @@ class LoRABatchMeta:
             da_numel=da_off,
             db_numel=db_off,
             ranks=ranks,
+            lora_ref=next((a for a in lora_a if a is not None), None)
+            if any(a is not None for a in lora_a) else torch.zeros(1, device=device),
             config=config,
         )
+
+
+def _table(rows, width, dtype, device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=dtype).reshape(-1, width).to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _routing_tables(seg_lens: tuple, has_lora: tuple, block_m: int, chunk_rows: int, device: torch.device):
+    """Tile and chunk tables of a segment layout. Every layer of a microbatch shares them, so
+    they are built and copied to the device once per layout (they hold no adapter pointers)."""
+    tiles, chunks, first, count = [], [], [], []
+    start = 0
+    for i, (rows, lora) in enumerate(zip(seg_lens, has_lora)):
+        tiles += [(i, r0, min(r0 + block_m, start + rows)) for r0 in range(start, start + rows, block_m)]
+        first.append(len(chunks))
+        if lora:
+            chunks += [(i, r0, min(r0 + chunk_rows, start + rows)) for r0 in range(start, start + rows, chunk_rows)]
+        count.append(len(chunks) - first[-1])
+        start += rows
+    return (_table(tiles, len(TILE_COLS), torch.int64, device), _table(chunks, len(TILE_COLS), torch.int64, device),
+            tuple(first), tuple(count))

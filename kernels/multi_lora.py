@@ -60,13 +60,13 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
 
         x = x.contiguous()
         s = torch.empty(x.shape[0], meta.rank_stride, device=x.device, dtype=x.dtype)  # (tokens, rank)
-        lora_shrink(x, s, meta, lora_dtype, lora_is_b=False, apply_scale=False, dropout=True)
+        lora_shrink(x, s, meta, lora_is_b=False, apply_scale=False, dropout=True)
         if meta.config.fused_base:
             y = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
-            lora_gemm(x, weight, bias, s, y, meta, lora_dtype, forward=True, fused_base=True)
+            lora_gemm(x, weight, bias, s, y, meta, forward=True, fused_base=True)
         else:
             y = F.linear(x, weight, bias)
-            lora_gemm(x, weight, None, s, y, meta, lora_dtype, forward=True, fused_base=False)
+            lora_gemm(x, weight, None, s, y, meta, forward=True, fused_base=False)
         ctx.save_for_backward(x, weight, s, *lora_tensors)
         ctx.meta, ctx.lora_dtype, ctx.adapter_ids = meta, lora_dtype, adapter_ids
         return y
@@ -81,7 +81,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         meta, lora_dtype = ctx.meta, ctx.lora_dtype
         dy = dy.contiguous()
         ds = torch.empty_like(s)  # (tokens, rank)
-        lora_shrink(dy, ds, meta, lora_dtype, lora_is_b=True, apply_scale=True, dropout=False)
+        lora_shrink(dy, ds, meta, lora_is_b=True, apply_scale=True, dropout=False)
 
         lora_grads = [None] * len(lora_tensors)
         if any(ctx.needs_input_grad[6:]):
@@ -103,10 +103,10 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if meta.config.fused_base:
                 dx = torch.empty_like(x)
-                lora_gemm(dy, weight, None, ds, dx, meta, lora_dtype, forward=False, fused_base=True)
+                lora_gemm(dy, weight, None, ds, dx, meta, forward=False, fused_base=True)
             else:
                 dx = dy @ weight
-                lora_gemm(dy, weight, None, ds, dx, meta, lora_dtype, forward=False, fused_base=False)
+                lora_gemm(dy, weight, None, ds, dx, meta, forward=False, fused_base=False)
         return (dx, None, None, None, None, None, *lora_grads)
 
 

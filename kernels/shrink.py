@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import keep_mask, load_adapter, tl_dtype
+from ._triton_common import keep_mask, load_adapter
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 
@@ -29,6 +29,7 @@ def _shrink_kernel(
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    lora_ref_ptr,  # any adapter tensor: its element type is the adapters' (their addresses are in the table)
     # sizes
     K,
     # strides
@@ -36,7 +37,6 @@ def _shrink_kernel(
     stride_om,
     # meta-parameters
     LORA_IS_B: tl.constexpr,  # False: contract with A_i [rank, K]; True: with B_i [K, rank]
-    LORA_DTYPE: tl.constexpr,  # element type of the adapters' tensors
     APPLY_SCALE: tl.constexpr,  # multiply by the adapter's scale (dS)
     HAS_DROPOUT: tl.constexpr,  # some adapter has p > 0: draw the mask on x (S)
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
@@ -58,11 +58,11 @@ def _shrink_kernel(
         return
 
     if LORA_IS_B:
-        lora_ptr = b_addr.to(tl.pointer_type(LORA_DTYPE))
+        lora_ptr = b_addr.to(tl.pointer_type(lora_ref_ptr.dtype.element_ty))
         stride_lk = rank
         stride_lr = 1
     else:
-        lora_ptr = a_addr.to(tl.pointer_type(LORA_DTYPE))
+        lora_ptr = a_addr.to(tl.pointer_type(lora_ref_ptr.dtype.element_ty))
         stride_lk = 1
         stride_lr = K
 
@@ -104,7 +104,6 @@ def lora_shrink(
     x: torch.Tensor,  # [M, K], contiguous
     out: torch.Tensor,  # [M, meta.rank_stride], x's dtype
     meta: LoRABatchMeta,
-    lora_dtype: torch.dtype,
     lora_is_b: bool,
     apply_scale: bool,
     dropout: bool,
@@ -118,11 +117,10 @@ def lora_shrink(
         return out
     K = x.shape[1]
     _shrink_kernel[grid](
-        x, out, *meta.args(),
+        x, out, *meta.args(), meta.lora_ref,
         K,
         x.stride(0), out.stride(0),
         LORA_IS_B=lora_is_b,
-        LORA_DTYPE=tl_dtype(lora_dtype),
         APPLY_SCALE=apply_scale,
         HAS_DROPOUT=dropout and meta.has_dropout,
         EVEN_K=K % cfg.shrink_block_k == 0,

@@ -244,22 +244,22 @@ def test_each_kernel_matches_its_reference(config):
     rows_with_lora = torch.cat([torch.full((n,), r > 0) for n, r in zip(seg_lens, ranks)])
 
     s = torch.zeros(x.shape[0], meta.rank_stride)
-    lora_shrink(x, s, meta, torch.float32, lora_is_b=False, apply_scale=False, dropout=True)
+    lora_shrink(x, s, meta, lora_is_b=False, apply_scale=False, dropout=True)
     s_ref = reference_lora_shrink(x, lora_a, seg_lens, False, dropout_p=dropout_p, seeds=seeds)
     assert_close(s[:, : s_ref.shape[1]][rows_with_lora], s_ref[rows_with_lora], what="shrink S")
 
     dy = torch.randn(x.shape[0], weight.shape[0])
     ds = torch.zeros_like(s)
-    lora_shrink(dy, ds, meta, torch.float32, lora_is_b=True, apply_scale=True, dropout=False)
+    lora_shrink(dy, ds, meta, lora_is_b=True, apply_scale=True, dropout=False)
     ds_ref = reference_lora_shrink(dy, lora_b, seg_lens, True, scales=scales)
     assert_close(ds[:, : ds_ref.shape[1]][rows_with_lora], ds_ref[rows_with_lora], what="shrink dS")
 
     y = torch.empty(x.shape[0], weight.shape[0])
-    lora_gemm(x, weight, bias, s, y, meta, torch.float32, forward=True, fused_base=True)
+    lora_gemm(x, weight, bias, s, y, meta, forward=True, fused_base=True)
     y_ref = reference_lora_gemm(x, weight, bias, s, lora_b, seg_lens, True, scales, dropout_p, seeds)
     assert_close(y, y_ref, what="gemm forward")
     dx = torch.empty_like(x)
-    lora_gemm(dy, weight, None, ds, dx, meta, torch.float32, forward=False, fused_base=True)
+    lora_gemm(dy, weight, None, ds, dx, meta, forward=False, fused_base=True)
     dx_ref = reference_lora_gemm(dy, weight, None, ds, lora_a, seg_lens, False, scales, dropout_p, seeds)
     assert_close(dx, dx_ref, what="gemm backward")
 

@@ -1,0 +1,478 @@
+"""GPU check and benchmark of the fused multi-LoRA kernels (run on the device machine).
+
+    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,main,lora,tune]
+
+Sections:
+  check  bf16 correctness vs a float64 reference on fresh random inputs (never zeros), over a
+         fuzz of shapes: output and every gradient, relative Frobenius error < 1e-2, every
+         output element written (freed memory is poisoned with NaN first), both base paths.
+  ceil   measured ceilings: large device copy (GB/s, read + write), large bf16 matmul (TFLOP/s).
+  main   forward+backward median times (triton.testing.do_bench, return_mode="median"),
+         bf16, all methods side by side in one process: frozen base linear alone (floor),
+         the fused kernels (dropout 0 and 0.05), the torch segmented reference (one base GEMM),
+         a PEFT-style loop of separate LoRA linears, torch grouped_mm for the LoRA matmuls.
+  lora   32 adapters x 1024 tokens: the LoRA part alone vs the same LoRA matmuls adapter by adapter.
+  tune   block-size / base-path variants of the fused path on a subset of shapes (offline tuning).
+
+Results go to one JSON file (written after every section, so a timeout keeps what was done);
+a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _import_kernels():
+    """lora_sweep.kernels, installed or straight from this checkout (setup.cfg maps kernels/ into
+    the package); the fallback loads it under a bare `lora_sweep` so that nothing else is imported."""
+    try:
+        import lora_sweep.kernels as k
+        return k
+    except Exception:
+        for name in [m for m in sys.modules if m == "lora_sweep" or m.startswith("lora_sweep.")]:
+            del sys.modules[name]
+    import types
+
+    pkg = types.ModuleType("lora_sweep")
+    pkg.__path__ = [os.path.join(ROOT, "lora_sweep")]
+    sys.modules["lora_sweep"] = pkg
+    spec = importlib.util.spec_from_file_location("lora_sweep.kernels", os.path.join(ROOT, "kernels", "__init__.py"),
+                                                  submodule_search_locations=[os.path.join(ROOT, "kernels")])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["lora_sweep.kernels"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+if "--dry" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+K = _import_kernels()
+from lora_sweep.kernels import metadata as meta_mod  # noqa: E402
+from lora_sweep.kernels.multi_lora import triton_multi_lora_linear  # noqa: E402
+from lora_sweep.kernels.reference import reference_multi_lora_linear  # noqa: E402
+
+DRY = "--dry" in sys.argv
+SHAPES = [(4096, 4096), (4096, 14336), (3584, 18944)]  # (in, out): Llama-3-8B q/o, up/gate; Qwen2-7B up/gate
+TOKENS = [2048, 16384]
+PACKS = [(1, "16"), (4, "16"), (4, "64"), (16, "mixed"), (32, "16"), (32, "64"), (32, "mixed")]
+LORA_SHAPES = [(4096, 4096, "16"), (4096, 4096, "mixed"), (4096, 14336, "16")]
+LORA_ROWS = 1024  # tokens per adapter in the LoRA-only comparison
+if DRY:
+    SHAPES, TOKENS, PACKS = [(64, 48)], [64], [(1, "16"), (4, "mixed")]
+    LORA_SHAPES, LORA_ROWS = [(64, 48, "16")], 16
+
+
+def ranks_for(n, kind, rng):
+    if kind == "mixed":
+        return [rng.choice([8, 16, 32, 64, 128]) for _ in range(n)]
+    return [int(kind)] * n
+
+
+def make_pack(in_f, out_f, tokens, n, ranks, dropout, device, dtype=None, seed=0, seg_lens=None,
+              none_every=0):
+    dtype = dtype or (torch.float32 if DRY else torch.bfloat16)  # the CPU interpreter's bf16 dot is wrong
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if seg_lens is None:
+        seg_lens = [tokens // n] * n
+        seg_lens[-1] += tokens - sum(seg_lens)
+    x = torch.randn(sum(seg_lens), in_f, generator=g).to(device, dtype)
+    weight = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(device, dtype)
+    bias = (torch.randn(out_f, generator=g) * 0.1).to(device, dtype)
+    lora_a, lora_b = [], []
+    for i, r in enumerate(ranks):
+        if none_every and i % none_every == none_every - 1:
+            lora_a.append(None)
+            lora_b.append(None)
+            continue
+        # B random (not PEFT's zeros) so that the LoRA term and every gradient are non-trivial
+        lora_a.append((torch.randn(r, in_f, generator=g) / math.sqrt(in_f)).to(device).requires_grad_(True))
+        lora_b.append((torch.randn(out_f, r, generator=g) / math.sqrt(r)).to(device).requires_grad_(True))
+    scales = [2.0 if i % 2 else 0.5 for i in range(n)]
+    dropout_p = [dropout] * n
+    seeds = [1000 + 7 * i for i in range(n)]
+    x.requires_grad_(True)
+    return dict(x=x, weight=weight, bias=bias, lora_a=lora_a, lora_b=lora_b, scales=scales,
+                dropout_p=dropout_p, seg_lens=seg_lens, seed=seeds)
+
+
+def params_of(p):
+    return [p["x"]] + [t for pair in zip(p["lora_a"], p["lora_b"]) for t in pair if t is not None]
+
+
+# --------------------------------------------------------------------------- methods (forward only; backward by autograd)
+
+
+def m_fused(p, config=None):
+    return triton_multi_lora_linear(p["x"], p["weight"], p["bias"], p["lora_a"], p["lora_b"], p["scales"],
+                                    p["dropout_p"], p["seg_lens"], p["seed"], config=config)
+
+
+def m_base(p):
+    return F.linear(p["x"], p["weight"], p["bias"])
+
+
+def m_segref(p):
+    return reference_multi_lora_linear(p["x"], p["weight"], p["bias"], p["lora_a"], p["lora_b"], p["scales"],
+                                       p["dropout_p"], p["seg_lens"], p["seed"])
+
+
+def m_peft_loop(p):
+    """What N separate PEFT models do: each adapter its own base linear and fp32 LoRA branch."""
+    outs, start = [], 0
+    for a, b, s, rows, dp in zip(p["lora_a"], p["lora_b"], p["scales"], p["seg_lens"], p["dropout_p"]):
+        xi = p["x"][start : start + rows]
+        start += rows
+        y = F.linear(xi, p["weight"], p["bias"])
+        if a is not None:
+            xl = F.dropout(xi.to(a.dtype), dp, training=True) if dp > 0 else xi.to(a.dtype)
+            y = (y + F.linear(F.linear(xl, a), b) * s).to(y.dtype)
+        outs.append(y)
+    return torch.cat(outs)
+
+
+def m_grouped(p):
+    """One base GEMM + torch grouped_mm for the LoRA matmuls (ranks padded to the pack's max, bf16)."""
+    gm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    x = p["x"]
+    r_max = -(-max(a.shape[0] for a in p["lora_a"] if a is not None) // 16) * 16
+    A = torch.stack([F.pad(a, (0, 0, 0, r_max - a.shape[0])) for a in p["lora_a"]]).to(x.dtype)  # (G, r, in)
+    B = torch.stack([F.pad(b, (0, r_max - b.shape[1])) for b in p["lora_b"]]).to(x.dtype)  # (G, out, r)
+    offs = torch.tensor(p["seg_lens"], device=x.device).cumsum(0).to(torch.int32)
+    s = gm(x, A.transpose(1, 2), offs=offs)  # (tokens, r)
+    delta = gm(s, B.transpose(1, 2), offs=offs)  # (tokens, out)
+    row_scale = torch.tensor(p["scales"], device=x.device, dtype=x.dtype).repeat_interleave(
+        torch.tensor(p["seg_lens"], device=x.device), output_size=x.shape[0])
+    return F.linear(x, p["weight"], p["bias"]) + delta * row_scale[:, None]
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def do_bench(fn, grad_to_none=None):
+    if DRY:  # CPU dry run of the script's logic: one timed call
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def bench_fwd_bwd(fn, p):
+    params = [t for t in params_of(p) if t.requires_grad]
+    y = fn(p)
+    dy = torch.randn_like(y)
+    del y
+
+    def step():
+        fn(p).backward(dy)
+
+    return do_bench(step, grad_to_none=params)
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def section_check(res, device):
+    rng = random.Random(1234)
+    cases = [
+        dict(in_f=4096, out_f=4096, seg_lens=[2048], ranks=[16], dropout=0.0),
+        dict(in_f=4096, out_f=14336, seg_lens=[512] * 4, ranks=[16, 64, 8, 128], dropout=0.05),
+        dict(in_f=3584, out_f=18944, seg_lens=[300, 0, 1, 700, 23], ranks=[8, 16, 32, 64, 128], dropout=0.1),
+        dict(in_f=1000, out_f=744, seg_lens=[rng.randint(0, 90) for _ in range(40)],
+             ranks=[rng.choice([1, 3, 17, 64, 130, 256]) for _ in range(40)], dropout=0.05, none_every=7),
+        dict(in_f=4096, out_f=4096, seg_lens=[1024] * 16, ranks=[rng.choice([8, 16, 32, 64, 128]) for _ in range(16)],
+             dropout=0.05),
+        dict(in_f=2048, out_f=512, seg_lens=[5000, 3], ranks=[32, 200], dropout=0.3),
+    ]
+    for k in range(4):  # plus random shapes
+        n = rng.randint(1, 12)
+        cases.append(dict(in_f=rng.choice([256, 1536, 2048, 4096]), out_f=rng.choice([256, 1024, 4096, 11008]),
+                          seg_lens=[rng.choice([0, 1, rng.randint(2, 3000)]) for _ in range(n)],
+                          ranks=[rng.choice([1, 8, 16, 17, 64, 100, 128]) for _ in range(n)],
+                          dropout=rng.choice([0.0, 0.1]), none_every=rng.choice([0, 3])))
+    out = []
+    if DRY:
+        cases = [dict(in_f=40, out_f=24, seg_lens=[5, 0, 1, 20], ranks=[3, 16, 17, 8], dropout=0.1, none_every=3)]
+    for ci, c in enumerate(cases):
+        for fused_base in (True, False):
+            if sum(c["seg_lens"]) == 0:
+                continue
+            p = make_pack(c["in_f"], c["out_f"], None, len(c["seg_lens"]), c["ranks"], c["dropout"], device,
+                          seed=100 + ci, seg_lens=c["seg_lens"], none_every=c.get("none_every", 0))
+            max_rank = max([a.shape[0] for a in p["lora_a"] if a is not None], default=0)
+            cfg = meta_mod.config_for(sum(c["seg_lens"]), c["seg_lens"], c["in_f"], c["out_f"], max_rank, not DRY)
+            cfg = dataclasses.replace(cfg, fused_base=fused_base)
+            # poison: freed blocks the kernels' outputs will reuse hold NaN
+            junk = torch.full((sum(c["seg_lens"]) * max(c["in_f"], c["out_f"]) * 4,), float("nan"), device=device,
+                              dtype=torch.bfloat16)
+            del junk
+            y = m_fused(p, cfg)
+            dy = torch.randn_like(y)
+            grads = torch.autograd.grad(y, params_of(p), dy, allow_unused=True)
+            # float64 reference on the same inputs (same seeds: the reference draws the same masks)
+            p64 = dict(p, x=p["x"].detach().double().requires_grad_(True), weight=p["weight"].double(),
+                       bias=p["bias"].double(),
+                       lora_a=[None if a is None else a.detach().double().requires_grad_(True) for a in p["lora_a"]],
+                       lora_b=[None if b is None else b.detach().double().requires_grad_(True) for b in p["lora_b"]])
+            y64 = m_segref(p64)
+            grads64 = torch.autograd.grad(y64, params_of(p64), dy.double(), allow_unused=True)
+            errs = {"y": rel_err(y, y64), "dx": rel_err(grads[0], grads64[0])}
+            da = [(g, r) for g, r in zip(grads[1::2], grads64[1::2]) if r is not None]
+            db = [(g, r) for g, r in zip(grads[2::2], grads64[2::2]) if r is not None]
+            if da:
+                errs["dA"] = max(rel_err(g, r) for g, r in da)
+                errs["dB"] = max(rel_err(g, r) for g, r in db)
+            finite = bool(torch.isfinite(y).all()) and all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+            ok = finite and all(e < 1e-2 for e in errs.values())
+            out.append(dict(case=ci, fused_base=fused_base, in_f=c["in_f"], out_f=c["out_f"], seg_lens=c["seg_lens"],
+                            ranks=c["ranks"], dropout=c["dropout"], errors=errs, finite=finite, ok=ok))
+            print(f"check {ci:2d} fused_base={fused_base!s:5} {c['in_f']}->{c['out_f']} n={len(c['seg_lens'])} "
+                  f"tokens={sum(c['seg_lens'])} " + " ".join(f"{k}={v:.2e}" for k, v in errs.items())
+                  + ("" if ok else "  FAIL"), flush=True)
+    res["check"] = out
+
+
+def section_ceil(res, device):
+    n = (1 << 20) if DRY else (1 << 30)  # 1 GiB
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a))
+    copy_gbs = 2 * n / ms / 1e6
+    del a, b
+    m = 256 if DRY else 8192
+    x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    ms = do_bench(lambda: x @ y)
+    tflops = 2 * m**3 / ms / 1e9
+    res["ceilings"] = dict(copy_GBps=copy_gbs, bf16_matmul_TFLOPs=tflops)
+    print(f"ceilings: copy {copy_gbs:.0f} GB/s (read+write), bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
+
+
+def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=TOKENS):
+    rows = res.setdefault("main", [])
+    for in_f, out_f in shapes:
+        for tokens in tokens_list:
+            for n, kind in packs:
+                if time.time() > deadline:
+                    res.setdefault("skipped", []).append(dict(in_f=in_f, out_f=out_f, tokens=tokens, n=n, rank=kind))
+                    continue
+                rng = random.Random(n * 7 + tokens)
+                ranks = ranks_for(n, kind, rng)
+                row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, ranks=ranks)
+                p = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
+                for name, fn in (("base", m_base), ("fused", m_fused), ("segref", m_segref),
+                                 ("peft_loop", m_peft_loop), ("grouped_mm", m_grouped)):
+                    try:
+                        row[name] = bench_fwd_bwd(fn, p)
+                    except Exception as e:  # a baseline this torch cannot run is recorded, not fatal
+                        row[name] = None
+                        row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
+                pd = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
+                row["fused_dropout"] = bench_fwd_bwd(m_fused, pd)
+                del p, pd
+                rows.append(row)
+                print(f"main {in_f}->{out_f} tok={tokens} n={n} r={kind}: base {row['base']:.3f} fused {row['fused']:.3f} "
+                      f"(p=.05 {row['fused_dropout']:.3f}) segref {row['segref']:.3f} peft {row['peft_loop'] or 0:.3f} "
+                      f"grouped {row['grouped_mm'] or 0:.3f} ms", flush=True)
+
+
+def section_lora(res, device):
+    """LoRA part alone, 32 adapters x 1024 tokens: our kernels (shrink, expand into an existing
+    output, dS, dB, dA, dX LoRA term) vs the same matmuls adapter by adapter (fp32 adapters, as PEFT)."""
+    from lora_sweep.kernels.lora_gemm import lora_gemm
+    from lora_sweep.kernels.metadata import LoRABatchMeta
+    from lora_sweep.kernels.row_reduce import lora_row_reduce
+    from lora_sweep.kernels.shrink import lora_shrink
+
+    out_rows = []
+    for in_f, out_f, kind in LORA_SHAPES:
+        n, tokens = 32, 32 * LORA_ROWS
+        ranks = ranks_for(n, kind, random.Random(5))
+        p = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
+        x, w = p["x"].detach(), p["weight"]
+        y = torch.randn(tokens, out_f, device=device, dtype=x.dtype)
+        dy = torch.randn_like(y)
+        dx = torch.randn_like(x)
+        cfg = dataclasses.replace(meta_mod.config_for(tokens, p["seg_lens"], in_f, out_f, max(ranks), not DRY),
+                                  fused_base=False)
+
+        def ours():
+            meta = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
+                                       p["seed"], in_f, out_f, x.device, cfg)  # per call, as in training
+            s = torch.empty(tokens, meta.rank_stride, device=device, dtype=x.dtype)
+            lora_shrink(x, s, meta, lora_is_b=False, apply_scale=False, dropout=True)
+            lora_gemm(x, w, None, s, y, meta, forward=True, fused_base=False)
+            ds = torch.empty_like(s)
+            lora_shrink(dy, ds, meta, lora_is_b=True, apply_scale=True, dropout=False)
+            db = torch.empty(meta.db_numel, device=device)
+            da = torch.empty(meta.da_numel, device=device)
+            lora_row_reduce(dy, s, db, meta, out_is_b=True)
+            lora_row_reduce(x, ds, da, meta, out_is_b=False)
+            lora_gemm(dy, w, None, ds, dx, meta, forward=False, fused_base=False)
+
+        xs = [x[i * LORA_ROWS : (i + 1) * LORA_ROWS].detach().requires_grad_(True) for i in range(n)]
+        dys = [dy[i * LORA_ROWS : (i + 1) * LORA_ROWS] for i in range(n)]
+
+        def loop():
+            for xi, dyi, a, b, s in zip(xs, dys, p["lora_a"], p["lora_b"], p["scales"]):
+                d = F.linear(F.linear(xi.to(a.dtype), a), b) * s
+                d.backward(dyi.to(d.dtype))
+
+        to_clear = list(xs) + params_of(p)[1:]
+        t_ours = do_bench(ours)
+        t_loop = do_bench(loop, grad_to_none=to_clear)
+        out_rows.append(dict(in_f=in_f, out_f=out_f, rank=kind, adapters=n, tokens_per_adapter=LORA_ROWS,
+                             ours_ms=t_ours, adapter_by_adapter_ms=t_loop, speedup=t_loop / t_ours))
+        print(f"lora-only {in_f}->{out_f} r={kind} 32x1024: ours {t_ours:.3f} ms, adapter by adapter {t_loop:.3f} ms, "
+              f"{t_loop / t_ours:.1f}x", flush=True)
+    res["lora_only"] = out_rows
+
+
+TUNE_GEMMS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 128, 64, 4, 4)]
+if DRY:
+    TUNE_GEMMS = [(16, 32, 32, 4, 1), (32, 32, 32, 4, 1)]
+
+
+def section_tune(res, device, deadline):
+    rows = res.setdefault("tune", [])
+    for in_f, out_f in SHAPES:
+        for tokens in TOKENS:
+            for n, kind in ((4, "16"), (32, "mixed")):
+                if time.time() > deadline:
+                    continue
+                ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
+                p = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
+                base_cfg = meta_mod.config_for(tokens, p["seg_lens"], in_f, out_f, max(ranks), not DRY)
+                row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, base=bench_fwd_bwd(m_base, p))
+                for bm, bn, bk, warps, stages in TUNE_GEMMS:
+                    for fused_base in (True, False):
+                        if not fused_base and (bn, bk, warps, stages) != TUNE_GEMMS[-1][1:]:
+                            continue  # the in-place LoRA add hardly depends on the GEMM blocks
+                        cfg = dataclasses.replace(base_cfg, block_m=bm, gemm_block_n=bn, gemm_block_k=bk,
+                                                  gemm_warps=warps, gemm_stages=stages, fused_base=fused_base,
+                                                  chunk_rows=max(bm, base_cfg.chunk_rows // bm * bm))
+                        key = f"{'fused' if fused_base else 'cublas'}_{bm}x{bn}x{bk}_w{warps}s{stages}"
+                        try:
+                            row[key] = bench_fwd_bwd(lambda q: m_fused(q, cfg), p)
+                        except Exception as e:
+                            row[key] = None
+                            row[key + "_error"] = f"{type(e).__name__}: {e}"[:200]
+                rows.append(row)
+                best = min((v, k) for k, v in row.items() if k.startswith(("fused_", "cublas_")) and isinstance(v, float))
+                print(f"tune {in_f}->{out_f} tok={tokens} n={n} r={kind}: base {row['base']:.3f}, best {best[1]} "
+                      f"{best[0]:.3f} ms ({best[0] / row['base']:.2f}x)", flush=True)
+
+
+def summarize(res):
+    s = {}
+    main = [r for r in res.get("main", []) if r.get("fused")]
+    if main:
+        big = [r for r in main if r["tokens"] >= 2048] or main
+        ratios = sorted(r["fused"] / r["base"] for r in big)
+        s["fused_over_base"] = dict(median=ratios[len(ratios) // 2], max=ratios[-1], min=ratios[0],
+                                    within_1_15=sum(x <= 1.15 for x in ratios), of=len(ratios))
+        many = [r for r in main if r["adapters"] >= 4 and r.get("segref")]
+        sp = sorted(r["segref"] / r["fused"] for r in many)
+        if sp:
+            s["speedup_vs_segref_4plus"] = dict(median=sp[len(sp) // 2], min=sp[0], max=sp[-1],
+                                                at_least_3x=sum(x >= 3 for x in sp), of=len(sp))
+        pl = sorted(r["peft_loop"] / r["fused"] for r in main if r.get("peft_loop"))
+        if pl:
+            s["speedup_vs_peft_loop"] = dict(median=pl[len(pl) // 2], min=pl[0], max=pl[-1])
+        gm = sorted(r["grouped_mm"] / r["fused"] for r in main if r.get("grouped_mm"))
+        if gm:
+            s["speedup_vs_grouped_mm"] = dict(median=gm[len(gm) // 2], min=gm[0], max=gm[-1])
+        dr = sorted(r["fused_dropout"] / r["fused"] for r in main if r.get("fused_dropout"))
+        if dr:
+            s["dropout_cost"] = dict(median=dr[len(dr) // 2], max=dr[-1])
+    if res.get("lora_only"):
+        s["lora_only_speedup_32x1024"] = {f"{r['in_f']}->{r['out_f']} r={r['rank']}": r["speedup"] for r in res["lora_only"]}
+    if res.get("check"):
+        s["check_all_ok"] = all(c["ok"] for c in res["check"])
+        s["check_max_rel_err"] = max(max(c["errors"].values()) for c in res["check"])
+    res["summary"] = s
+
+
+def print_table(res):
+    print("\n== fwd+bwd median ms (bf16, dropout 0 unless noted) ==")
+    print(f"{'shape':>12} {'tok':>6} {'n':>3} {'r':>6} | {'base':>7} {'fused':>7} {'x base':>6} {'p=.05':>7} | "
+          f"{'segref':>7} {'x':>5} | {'peft':>7} {'x':>5} | {'grpmm':>7} {'x':>5}")
+    for r in res.get("main", []):
+        f = r["fused"]
+        def col(k):
+            v = r.get(k)
+            return f"{v:7.3f} {v / f:5.1f}" if v else f"{'-':>7} {'-':>5}"
+        print(f"{r['in_f']:>5}->{r['out_f']:<6} {r['tokens']:>6} {r['adapters']:>3} {r['rank']:>6} | {r['base']:7.3f} "
+              f"{f:7.3f} {f / r['base']:6.2f} {r['fused_dropout']:7.3f} | {col('segref')} | {col('peft_loop')} | "
+              f"{col('grouped_mm')}")
+    print(json.dumps(res.get("summary", {}), indent=1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="kernels.json")
+    ap.add_argument("--sections", default="check,ceil,main,lora,tune")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new benchmark rows after this")
+    ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET=1: checks the script only")
+    args = ap.parse_args()
+    device = torch.device("cpu" if DRY else "cuda")
+    t0 = time.time()
+    deadline = t0 + args.budget_s
+    import triton
+
+    res = dict(gpu="cpu (dry run)" if DRY else torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               notes="fwd+bwd = forward, then backward of a random dY; grads for x and adapters only (base frozen)")
+
+    def save():
+        summarize(res)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    for sec in args.sections.split(","):
+        t = time.time()
+        try:
+            if sec == "check":
+                section_check(res, device)
+            elif sec == "ceil":
+                section_ceil(res, device)
+            elif sec == "main":
+                section_main(res, device, deadline)
+            elif sec == "lora":
+                section_lora(res, device)
+            elif sec == "tune":
+                section_tune(res, device, deadline + 120)
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            res.setdefault("errors", {})[sec] = f"{type(e).__name__}: {e}"[:1000]
+        res.setdefault("section_seconds", {})[sec] = time.time() - t
+        save()
+    print_table(res)
+
+
+if __name__ == "__main__":
+    main()

@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -54,8 +55,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "lora_sweep.integrations.ray_tune needs Ray Tune: pip install lora-sweep[ray]"
     ) from e
 
-# Only the light config module at import time: a trial's proxy never loads torch. The pack
-# server imports the engine when it starts.
+# Only the light config module here; the pack server imports the engine (torch) when it starts.
 from ..config import ConfigError, JobSpec, TrialConfig, check_against_model
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["PackServer", "PackedExecutor", "TrialFailed", "NAMESPACE"]
 
 NAMESPACE = "lora_sweep"  # Ray namespace of the named pack-server actors
+STEP_FILE = "lora_sweep_step.json"  # beside the PEFT files in every checkpoint: the step it was taken at
 
 
 class TrialFailed(RuntimeError):
@@ -90,6 +91,7 @@ class _Slot:
 
     cfg: TrialConfig
     deadline: float  # monotonic time at which the lease expires
+    resume_step: int = 0  # reports up to this step were already given to Tune (a resumed trial)
     in_job: bool = True  # False once it finished or failed (the message may still wait for pickup)
     outbox: deque = field(default_factory=deque)
 
@@ -135,13 +137,19 @@ class PackServer:
 
     # ------------------------------------------------------------------ called by proxies
 
-    def try_join(self, config: dict, proxy: Optional[dict] = None) -> tuple[str, str]:
+    def try_join(self, config: dict, proxy: Optional[dict] = None, resume_step: int = 0) -> tuple[str, str]:
         """Admit a trial if the job has room. Returns ("joined", pack_id), ("full", "") or
-        ("invalid", message) when the config cannot work with this model."""
+        ("invalid", message) when the config cannot work with this model.
+
+        A trial that Tune paused and now resumes joins again from step 0 with `resume_step`,
+        the last step Tune has: the engine retrains it deterministically and reports only
+        the steps after that one."""
         cfg = TrialConfig.from_dict(config)
         with self._cond:
-            if cfg.trial_id in self._slots or cfg.trial_id in self._left:
-                return "invalid", f"Trial {cfg.trial_id!r} has already been in pack {self.job.pack_id!r}."
+            if cfg.trial_id in self._slots:
+                return "invalid", f"Trial {cfg.trial_id!r} is already in pack {self.job.pack_id!r}."
+            if cfg.trial_id in self.job.active:
+                return "full", ""  # its paused self is still leaving the job: retry after the next step
             try:
                 check_against_model(cfg, self.job.spec, self.job.module_shapes)
                 if not self._has_room(cfg):
@@ -149,9 +157,11 @@ class PackServer:
             except ConfigError as e:
                 return "invalid", str(e)
             pack_mates = self._in_job()
-            self._slots[cfg.trial_id] = _Slot(cfg, time.monotonic() + self.lease_seconds)
-            self.job.add_trial(cfg)
-            self._record("join", cfg.trial_id, pack_mates=len(pack_mates), proxy=proxy or {})
+            self._slots[cfg.trial_id] = _Slot(cfg, time.monotonic() + self.lease_seconds, resume_step)
+            self._left.pop(cfg.trial_id, None)
+            self.job.add_trial(dataclasses.replace(cfg))  # a copy: a rejoin must not meet the old one
+            self._record("join", cfg.trial_id, pack_mates=len(pack_mates), config=cfg.to_dict(),
+                         resume_step=resume_step, proxy=proxy or {})
             self._cond.notify_all()
         return "joined", self.job.pack_id
 
@@ -199,8 +209,10 @@ class PackServer:
             return len(self._in_job()), self.max_adapters
 
     def history(self) -> list[dict]:
-        """Every join and leave: time, event, trial_id, pack_id, and for joins the number of
-        trials already training (`pack_mates`), for leaves the `reason`."""
+        """Every join and leave: time, event, trial_id, pack_id, `active` (trials in the job
+        after it); joins add `pack_mates` (trials already training), `config`, `resume_step`
+        and `proxy` (its pid and node); leaves add the `reason` (finished, failed, stopped,
+        errored, lease expired)."""
         with self._cond:
             return list(self._history)
 
@@ -238,8 +250,8 @@ class PackServer:
                 return  # it left already; the engine drops it at this step
         metrics = {**getattr(event, "metrics", {}), "pack_id": self.job.pack_id}
         if isinstance(event, Report):
-            if event.step >= slot.cfg.max_steps:
-                return  # the Finished event that follows carries the same metrics
+            if event.step >= slot.cfg.max_steps or event.step <= slot.resume_step:
+                return  # Finished follows with the same metrics / Tune had it before a pause
             adapter = self._current_adapter(event.trial_id) if self.checkpoint_every_report else None
             message = _Message("report", event.step, metrics, adapter)
         elif isinstance(event, Finished):
@@ -360,7 +372,7 @@ def _run_trial(config: dict, settings: _ProxySettings) -> None:
     trial_id = tune.get_context().get_trial_id()
     cfg = TrialConfig.from_dict(config, trial_id=trial_id)  # a bad value: ConfigError, the trial is ERROR
     servers = [ray.get_actor(name, namespace=NAMESPACE) for name in settings.server_names]
-    server, pack_id = _join_a_pack(servers, cfg, settings.poll_seconds)
+    server, pack_id = _join_a_pack(servers, cfg, _resume_step(tune.get_checkpoint()), settings.poll_seconds)
     heartbeat = _Heartbeat(server, trial_id, settings.heartbeat_seconds)
     try:
         while True:
@@ -378,14 +390,14 @@ def _run_trial(config: dict, settings: _ProxySettings) -> None:
             logger.warning("trial %s could not leave pack %s; its lease will expire", trial_id, pack_id)
 
 
-def _join_a_pack(servers: list, cfg: TrialConfig, poll_seconds: float) -> tuple[Any, str]:
+def _join_a_pack(servers: list, cfg: TrialConfig, resume_step: int, poll_seconds: float) -> tuple[Any, str]:
     """Register the trial with the least loaded pack server that admits it; wait while all are full."""
     proxy = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
     while True:
         loads = ray.get([s.load.remote() for s in servers])
         order = sorted(range(len(servers)), key=lambda i: (loads[i][0] / loads[i][1], random.random()))
         for i in order:
-            status, detail = ray.get(servers[i].try_join.remote(cfg.to_dict(), proxy))
+            status, detail = ray.get(servers[i].try_join.remote(cfg.to_dict(), proxy, resume_step))
             if status == "joined":
                 return servers[i], detail
             if status == "invalid":
@@ -394,18 +406,35 @@ def _join_a_pack(servers: list, cfg: TrialConfig, poll_seconds: float) -> tuple[
 
 
 def _report(message: _Message) -> None:
-    """tune.report with the adapter (PEFT format) as the checkpoint."""
+    """tune.report with the adapter (PEFT format) as the checkpoint, plus the step it is at."""
     if message.adapter is None:
         tune.report(message.metrics)
         return
     path = tempfile.mkdtemp(prefix="lora_sweep_adapter_")
     try:
-        for name, content in message.adapter.items():
+        for name, content in {**message.adapter, STEP_FILE: json.dumps({"step": message.step}).encode()}.items():
             with open(os.path.join(path, name), "wb") as f:
                 f.write(content)
         tune.report(message.metrics, checkpoint=tune.Checkpoint.from_directory(path))  # copied to storage
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _resume_step(checkpoint) -> int:
+    """The step of the checkpoint Tune restores a paused trial from (0 for a new trial).
+
+    The engine cannot restore an adapter's optimizer state yet, so a resumed trial trains
+    again from step 0 (deterministically: same seed, same data order) and only the reports
+    after this step reach Tune.
+    """
+    if checkpoint is None:
+        return 0
+    with checkpoint.as_directory() as path:
+        step_file = os.path.join(path, STEP_FILE)
+        if not os.path.exists(step_file):
+            return 0
+        with open(step_file) as f:
+            return int(json.load(f)["step"])
 
 
 class _Heartbeat:
@@ -425,6 +454,34 @@ class _Heartbeat:
         self._stopped.set()
 
 
+# --------------------------------------------------------------------------- Tune's side of leaving
+
+
+class _LeaveWhenTuneIsDone(tune.Callback):
+    """Tells the pack servers the moment Tune stops a trial (ASHA, a stopper, an error).
+
+    A proxy's `finally` does the same, but only when Tune finishes the proxy's thread, which
+    with `reuse_actors=True` may be much later (a stopped trial's actor waits in a cache).
+    This runs in Tune's driver right after the scheduler's decision.
+    """
+
+    def __init__(self, server_names: tuple[str, ...]):
+        self.server_names = server_names
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._leave(trial.trial_id, "stopped")  # a no-op for trials that finished their steps
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._leave(trial.trial_id, "errored")
+
+    def _leave(self, trial_id: str, reason: str) -> None:
+        try:
+            servers = [ray.get_actor(name, namespace=NAMESPACE) for name in self.server_names]
+            ray.get([s.leave.remote(trial_id, reason) for s in servers], timeout=30)
+        except Exception:  # noqa: BLE001 - the proxy's `finally` or the lease frees the slot
+            logger.warning("could not tell the pack servers that trial %s is done", trial_id, exc_info=True)
+
+
 # --------------------------------------------------------------------------- the executor
 
 
@@ -438,13 +495,24 @@ class PackedExecutor:
     with a checkpoint that holds the adapter in PEFT format. A trial Tune stops leaves its
     pack at the next step and its slot goes to the next trial Tune starts.
 
+    `run` calls `tune.run` with the right settings. With `tune.run` or `tune.Tuner` called
+    directly, pass `executor.callback` (it frees a stopped trial's slot at once; without it
+    the proxy's exit or its lease does) and `max_concurrent_trials=executor.capacity`
+    (without it, trials beyond the capacity wait in their proxy for a free slot).
+
     Example:
 
         executor = PackedExecutor(spec, max_adapters_per_server=16)
         analysis = executor.run(config={"rank": tune.choice([8, 16])}, num_samples=32,
                                 scheduler=ASHAScheduler(metric="eval_loss", mode="min"))
-        # or: tune.Tuner(executor.trainable, param_space=...,
-        #                tune_config=tune.TuneConfig(max_concurrent_trials=executor.capacity)).fit()
+        # or:
+        tuner = tune.Tuner(
+            executor.trainable, param_space={"rank": tune.choice([8, 16])},
+            tune_config=tune.TuneConfig(num_samples=32, max_concurrent_trials=executor.capacity,
+                                        reuse_actors=True, scheduler=ASHAScheduler(metric="eval_loss", mode="min")),
+            run_config=tune.RunConfig(callbacks=[executor.callback]),
+        )
+        results = tuner.fit()
 
     Args:
         spec:
@@ -529,6 +597,7 @@ class PackedExecutor:
             return _run_trial(config, settings)
 
         self.trainable: Callable = tune.with_resources(lora_sweep_trial, proxy_resources or {"CPU": 0.1})
+        self.callback = _LeaveWhenTuneIsDone(self.server_names)
 
     @property
     def capacity(self) -> int:
@@ -536,11 +605,12 @@ class PackedExecutor:
         return len(self.servers) * self.max_adapters_per_server
 
     def run(self, **tune_run_kwargs):
-        """`tune.run(self.trainable, **tune_run_kwargs)`, by default with `max_concurrent_trials`
-        set to the packs' capacity and `reuse_actors=True` (a freed slot is refilled in
-        milliseconds instead of waiting for a new proxy process)."""
+        """`tune.run(self.trainable, **tune_run_kwargs)` with `self.callback` added and, by
+        default, `max_concurrent_trials` set to the packs' capacity and `reuse_actors=True`
+        (a freed slot is refilled in milliseconds instead of waiting for a new proxy process)."""
         tune_run_kwargs.setdefault("max_concurrent_trials", self.capacity)
         tune_run_kwargs.setdefault("reuse_actors", True)
+        tune_run_kwargs["callbacks"] = [*(tune_run_kwargs.get("callbacks") or []), self.callback]
         return tune.run(self.trainable, **tune_run_kwargs)
 
     def stats(self) -> list[dict]:

@@ -1,0 +1,211 @@
+"""Ray Tune integration on a real local Ray instance: packing, ASHA refills, equality with the
+engine alone, searchers and schedulers, per-trial errors, and a proxy that dies.
+
+One `ray.init` and one `PackedExecutor` (one CPU pack server, 3 slots) serve the whole module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import tune  # noqa: E402
+from ray.tune.schedulers import ASHAScheduler, MedianStoppingRule  # noqa: E402
+from ray.tune.search import Searcher  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+import lora_sweep as ls  # noqa: E402
+from lora_sweep.engine import Finished, PackedJob, Report  # noqa: E402
+from lora_sweep.integrations.ray_tune import PackedExecutor  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SLOTS = 3  # adapters per pack: fewer than the trials, so that slots get refilled
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_llama_dir, toy_data, tmp_path_factory):
+    train, dev = toy_data
+    return ls.JobSpec(base_model=tiny_llama_dir, train_data=train, eval_data=dev, max_seq_len=32, eval_every=5,
+                      output_dir=str(tmp_path_factory.mktemp("ray_runs")))
+
+
+@pytest.fixture(scope="module")
+def executor(spec):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Short leases so that the dead-proxy test is quick; heartbeats come every second.
+    executor = PackedExecutor(spec, max_adapters_per_server=SLOTS, lease_seconds=5.0, poll_seconds=0.5)
+    yield executor
+    executor.shutdown()
+    ray.shutdown()
+
+
+def trial(**overrides) -> dict:
+    """A Tune config: TrialConfig fields, dropout 0 so that runs are deterministic."""
+    return {"rank": 4, "alpha": 8.0, "dropout": 0.0, "batch_size": 4, "max_steps": 20, **overrides}
+
+
+class Replay(Searcher):
+    """A searcher that suggests exactly these configs, in order."""
+
+    def __init__(self, configs: list[dict]):
+        super().__init__()
+        self.configs = list(configs)
+
+    def suggest(self, trial_id: str):
+        return self.configs.pop(0) if self.configs else Searcher.FINISHED
+
+    def on_trial_complete(self, trial_id: str, result=None, error: bool = False):
+        pass
+
+
+def points(configs: list[dict]) -> dict:
+    """tune.run / TuneConfig arguments that run exactly these configs, in order."""
+    return {"search_alg": Replay(configs), "num_samples": len(configs)}
+
+
+def joins_and_leaves(executor, trial_ids) -> list[dict]:
+    return [e for e in executor.history() if e["trial_id"] in trial_ids]
+
+
+def test_asha_sweep_packs_trials_and_refills_stopped_slots(executor, tmp_path):
+    analysis = executor.run(
+        config=trial(max_steps=100, learning_rate=tune.grid_search([3e-2, 1e-6, 2e-6, 1e-2, 3e-6, 4e-6])),
+        scheduler=ASHAScheduler(metric="eval_loss", mode="min", max_t=20, grace_period=1, reduction_factor=2),
+        storage_path=str(tmp_path), verbose=0,
+    )
+    assert executor.capacity == SLOTS
+    results = analysis.results_df
+    assert len(results) == 6
+    assert all(t.status == "TERMINATED" for t in analysis.trials)
+    assert results["eval_loss"].notna().all() and (results["step"] >= 5).all()
+    assert results["pack_id"].value_counts().max() >= 2  # trials shared a pack
+    assert (results["step"] < 100).any(), "ASHA stopped no trial"
+
+    (stats,) = executor.stats()
+    assert stats["model_loads"] == 1  # the base model was loaded once, for every trial
+    assert set(results["pack_id"]) == {stats["pack_id"]}
+    assert stats["active"] == 0
+
+    # The pack server's own record: ASHA-stopped trials left, and freed slots went to new
+    # trials that joined the job while their pack-mates kept training.
+    history = joins_and_leaves(executor, set(results.index))
+    stopped = {e["trial_id"] for e in history if e["event"] == "leave" and e["reason"] == "stopped"}
+    assert stopped == set(results.index[results["step"] < 100])
+    assert all(e["active"] <= SLOTS for e in history)
+    first_leave = min(e["time"] for e in history if e["event"] == "leave")
+    refills = [e for e in history if e["event"] == "join" and e["time"] > first_leave and e["pack_mates"] > 0]
+    assert refills, history
+
+    # Every trial's last checkpoint is its adapter in PEFT format.
+    for t in analysis.trials:
+        files = os.listdir(t.checkpoint.path)
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(files)
+
+
+def test_tune_eval_loss_equals_the_engine_alone(executor, spec, tmp_path):
+    configs = [trial(learning_rate=1e-2, seed=1), trial(rank=8, learning_rate=3e-3, lr_scheduler="cosine", seed=2)]
+    analysis = executor.run(config={}, **points(configs), storage_path=str(tmp_path), verbose=0)
+    assert all(t.status == "TERMINATED" for t in analysis.trials)
+
+    for t in analysis.trials:
+        cfg = ls.TrialConfig.from_dict(t.config, trial_id="alone")
+        job = PackedJob(spec, [cfg], progress=False)
+        alone = [e.metrics["eval_loss"] for e in job.run() if isinstance(e, Report)]
+        tuned = list(analysis.trial_dataframes[t.trial_id]["eval_loss"])
+        assert len(tuned) == len(alone) == cfg.max_steps // spec.eval_every
+        for step, (x, y) in enumerate(zip(tuned, alone)):
+            assert math.isclose(x, y, rel_tol=1e-6), f"{t.config} report {step}: tune {x} vs alone {y}"
+        # The checkpoint Tune kept is the adapter the engine trains alone.
+        tuned_weights = load_file(os.path.join(t.checkpoint.path, "adapter_model.safetensors"))
+        alone_weights = load_file(os.path.join(job.finished["alone"], "adapter_model.safetensors"))
+        assert tuned_weights.keys() == alone_weights.keys()
+        for key in alone_weights:
+            assert (tuned_weights[key] - alone_weights[key]).abs().max() < 1e-6, key
+
+
+def test_invalid_and_diverging_trials_error_alone(executor, tmp_path):
+    configs = [
+        trial(learning_rate=1e-2),
+        trial(rank=0),  # TrialConfig rejects it in the proxy
+        trial(rank=4096),  # larger than the model's layers: the pack server rejects it
+        trial(lora_rank=8),  # not a TrialConfig field
+        trial(learning_rate=1e30, max_steps=100),  # the loss becomes NaN within a few steps
+        trial(learning_rate=3e-3),
+    ]
+    tuner = tune.Tuner(  # the Tuner API, with the ResultGrid
+        executor.trainable,
+        tune_config=tune.TuneConfig(max_concurrent_trials=executor.capacity, reuse_actors=True, **points(configs)),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0, callbacks=[executor.callback]),
+    )
+    start = time.time()
+    grid = tuner.fit()
+    by_config = {repr(sorted(r.config.items())): r for r in grid}
+    results = [by_config[repr(sorted(c.items()))] for c in configs]
+
+    assert results[0].error is None and results[5].error is None
+    assert results[0].metrics["step"] == 20 and results[5].metrics["step"] == 20
+    assert "`rank` is 0" in str(results[1].error)
+    assert "`rank` is 4096" in str(results[2].error) and "smallest in/out dimension" in str(results[2].error)
+    assert "lora_rank" in str(results[3].error)
+    assert "non-finite" in str(results[4].error)
+    assert grid.num_errors == 4
+    # Only the diverging adapter left its pack as failed; the invalid ones never joined.
+    failed = [e for e in executor.history() if e["time"] > start and e.get("reason") == "failed"]
+    assert len(failed) == 1
+
+
+def test_optuna_search_with_median_stopping(executor, tmp_path):
+    from ray.tune.search.optuna import OptunaSearch
+
+    analysis = executor.run(
+        config=trial(learning_rate=tune.loguniform(1e-4, 3e-2), rank=tune.choice([4, 8])),
+        search_alg=OptunaSearch(metric="eval_loss", mode="min", seed=0), num_samples=4,
+        scheduler=MedianStoppingRule(metric="eval_loss", mode="min", grace_period=1, min_samples_required=2),
+        storage_path=str(tmp_path), verbose=0,
+    )
+    assert len(analysis.trials) == 4 and all(t.status == "TERMINATED" for t in analysis.trials)
+    best = analysis.get_best_trial("eval_loss", "min", scope="last")
+    assert best.last_result["eval_loss"] < 3.8
+
+
+def test_a_dead_proxy_loses_its_slot(executor, tmp_path):
+    """Kill a trial's proxy process mid-training: no `finally` runs and, with `tune.run`
+    called directly without `executor.callback`, nobody tells the pack server, so only the
+    lease can free the slot. Its pack-mate trains on."""
+    start = time.time()
+    killed = {}
+
+    def kill_the_long_trial():
+        while time.time() < start + 60:
+            for e in executor.history():
+                if e["time"] > start and e["event"] == "join" and e["config"]["max_steps"] == 100_000:
+                    time.sleep(1.0)  # let it train a little
+                    os.kill(e["proxy"]["pid"], signal.SIGKILL)
+                    killed.update(e)
+                    return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_the_long_trial, daemon=True)
+    killer.start()
+    analysis = tune.run(executor.trainable, config={}, **points([trial(max_steps=150), trial(max_steps=100_000)]),
+                        time_budget_s=90,  # ends the long trial if the kill went wrong
+                        storage_path=str(tmp_path), verbose=0, raise_on_failed_trial=False)
+    killer.join()
+    assert killed, "the long trial never joined"
+    statuses = {t.config["max_steps"]: t.status for t in analysis.trials}
+    assert statuses == {150: "TERMINATED", 100_000: "ERROR"}
+
+    while time.time() < start + 60:  # the lease (5 s) expires
+        leaves = [e for e in joins_and_leaves(executor, {killed["trial_id"]}) if e["event"] == "leave"]
+        if leaves:
+            break
+        time.sleep(0.5)
+    assert [e["reason"] for e in leaves] == ["lease expired"]
+    assert executor.stats()[0]["active"] == 0

@@ -301,6 +301,7 @@ def wait_for(condition, timeout: float, what: str, worker=None):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # RDBStorage(heartbeat_interval=)
 def test_resume_after_the_worker_is_killed(tiny_llama_dir, toy_data, tmp_path):
     storage_url = f"sqlite:///{tmp_path / 'study.db'}"
     worker = start_worker(tmp_path, storage_url, "killed", 6, 20, tiny_llama_dir, toy_data)
@@ -317,7 +318,7 @@ def test_resume_after_the_worker_is_killed(tiny_llama_dir, toy_data, tmp_path):
     wait_for(mid_sweep, 120, "a trial completes while others run", worker)
     worker.kill()  # SIGKILL: no cleanup, trials stay RUNNING
     worker.wait()
-    study = optuna.load_study(study_name="sweep", storage=storage)
+    study = optuna.load_study(study_name="sweep", storage=storage, pruner=NO_PRUNING)
     left_running = [t.number for t in study.trials if t.state == TrialState.RUNNING]
     assert left_running
 
@@ -338,7 +339,7 @@ def test_resume_after_the_worker_is_killed(tiny_llama_dir, toy_data, tmp_path):
 @pytest.mark.slow
 def test_two_workers_on_one_journal_never_train_a_trial_twice(tiny_llama_dir, toy_data, tmp_path):
     journal = str(tmp_path / "journal.log")
-    workers = [start_worker(tmp_path, journal, name, 8, 6, tiny_llama_dir, toy_data) for name in ("a", "b")]
+    workers = [start_worker(tmp_path, journal, name, 8, 10, tiny_llama_dir, toy_data) for name in ("a", "b")]
     for w in workers:
         out, _ = w.communicate(timeout=180)
         assert w.returncode == 0, out

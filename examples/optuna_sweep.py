@@ -37,7 +37,8 @@ TINY_SPACE = {
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="Hub id or local directory of the base model (default: the bundled tiny model).")
+    parser.add_argument("--model", help="Hub id or local directory of the base model "
+                                        "(default: the bundled tiny model).")
     parser.add_argument("--train", help="Training rows, .jsonl of {prompt, completion} or {text}.")
     parser.add_argument("--eval", help="Evaluation rows, same format.")
     parser.add_argument("--trials", type=int, default=12, help="Trials in the study, in total over all workers.")

@@ -211,8 +211,9 @@ class PackedLoRASampler(BaseSampler):
         running `optimize` again on a resumed study, or on several workers with the same
         `n_trials`, ends with that many trials. Trials that a dead worker left RUNNING are
         told FAIL with the user attr ``requeued`` (they do not count) and their params
-        enqueued again, so they train anew from step 0 as new trials (user attr ``restart_of``). Workers racing for the last trials may overshoot
-        the total by one trial each, as with Optuna's `MaxTrialsCallback`.
+        enqueued again, so they train anew from step 0 as new trials (user attr
+        ``restart_of``). Workers racing for the last trials may overshoot the total by one
+        trial each, as with Optuna's `MaxTrialsCallback`.
 
         After `timeout` no new trial starts; running ones finish. `study.stop()` in a
         callback works as in `Study.optimize`. If the sweep is interrupted (Ctrl-C or an
@@ -397,10 +398,7 @@ class _Sweep:
         again, as for a dead worker, so that the next `optimize` runs them from the start."""
         with self.lock:
             for trial in trials:
-                trial.set_user_attr("fail_reason", f"{reason}; its params are enqueued again")
-                trial.set_user_attr("requeued", True)
-                self.study.tell(trial, state=TrialState.FAIL)
-                self.study.enqueue_trial(trial.params, user_attrs={"restart_of": trial.number})
+                _requeue(self.study, trial, reason)
                 if self.heartbeat is not None:
                     self.heartbeat.discard(trial._trial_id)
 
@@ -744,15 +742,15 @@ def _restart_stale_trials(study: Study, worker_id: str, stale_after: float, incl
 
     A worker is dead if it runs on this host and its process is gone, or if its heartbeat is
     older than `stale_after` seconds. The caller (`worker_id`) is alive, but before its sweep
-    starts (`include_own`) the trials it claimed earlier are stale too. When two workers find the same trial, the storage lets
-    only one of them finish it, and only that one enqueues it again.
+    starts (`include_own`) the trials it claimed earlier are stale too. When two workers find
+    the same trial, the storage lets only one of them finish it, and only that one enqueues
+    it again.
 
     A worker that dies within the instant between creating a trial and claiming it leaves an
     unowned trial without params; in a study whose trials all come from lora_sweep workers,
     such a trial older than `stale_after` is failed too (there is nothing to enqueue).
     """
-    storage = study._storage
-    beats = storage.get_study_system_attrs(study._study_id)
+    beats = study._storage.get_study_system_attrs(study._study_id)
     now = time.time()
     trials = study.get_trials(deepcopy=False)
     only_ours = all(_WORKER in t.system_attrs for t in trials if t.params and t.state != TrialState.WAITING)
@@ -761,28 +759,37 @@ def _restart_stale_trials(study: Study, worker_id: str, stale_after: float, incl
             continue
         owner = t.system_attrs.get(_WORKER)
         if owner is None:
-            age = (datetime.datetime.now() - t.datetime_start).total_seconds() if t.datetime_start else 0.0
-            if not (only_ours and not t.params and not t.intermediate_values and age > stale_after):
-                continue
+            stale = only_ours and _orphaned(t, stale_after)
         elif owner == worker_id:
-            if not include_own:
-                continue
-        elif not _is_dead(owner, beats.get(_HEARTBEAT + owner), now, stale_after):
-            continue
-        who = f"worker {owner}" if owner else "an unknown worker"
-        try:
-            storage.set_trial_user_attr(t._trial_id, "fail_reason", f"{who} stopped; its params are enqueued again")
-            storage.set_trial_user_attr(t._trial_id, "requeued", True)
-            study.tell(t.number, state=TrialState.FAIL)
-        except (UpdateFinishedTrialError, ValueError, RuntimeError):
-            continue  # another worker (or its owner, just in time) finished it first
-        if t.params:
-            study.enqueue_trial(t.params, user_attrs={"restart_of": t.number})
-        logger.warning("Trial %d was left RUNNING: %s stopped; its params are enqueued again.", t.number, who)
-    if is_heartbeat_enabled(storage):  # trials of plain Optuna workers, failed by Optuna's own heartbeat
+            stale = include_own
+        else:
+            stale = _is_dead(owner, beats.get(_HEARTBEAT + owner), now, stale_after)
+        if stale:
+            who = f"worker {owner}" if owner else "an unknown worker"
+            with contextlib.suppress(UpdateFinishedTrialError, ValueError, RuntimeError):  # another worker was first
+                _requeue(study, t, f"{who} stopped")
+                logger.warning("Trial %d was left RUNNING: %s stopped.", t.number, who)
+    if is_heartbeat_enabled(study._storage):  # trials of plain Optuna workers, failed by Optuna's own heartbeat
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
+
+
+def _requeue(study: Study, trial: Union[Trial, FrozenTrial], reason: str) -> None:
+    """Tell the trial FAIL, marked ``requeued`` so that it does not count toward `n_trials`,
+    and enqueue its params again: they train anew, from step 0, as a new trial."""
+    storage = study._storage
+    storage.set_trial_user_attr(trial._trial_id, "fail_reason", f"{reason}; its params are enqueued again")
+    storage.set_trial_user_attr(trial._trial_id, "requeued", True)
+    study.tell(trial.number, state=TrialState.FAIL)
+    if trial.params:  # a trial that died before sampling has nothing to enqueue
+        study.enqueue_trial(trial.params, user_attrs={"restart_of": trial.number})
+
+
+def _orphaned(trial: FrozenTrial, stale_after: float) -> bool:
+    """A RUNNING trial that nobody claimed, without params or reports, older than `stale_after`."""
+    age = (datetime.datetime.now() - trial.datetime_start).total_seconds() if trial.datetime_start else 0.0
+    return not trial.params and not trial.intermediate_values and age > stale_after
 
 
 def _is_dead(worker_id: str, last_beat: Optional[float], now: float, stale_after: float) -> bool:

@@ -262,6 +262,9 @@ def test_interrupted_sweep_resumes_with_the_same_jobs(spec, job_log):
     assert sorted(t.user_attrs["restart_of"] for t in reruns) == sorted(t.number for t in restarted)
     for t in reruns:
         assert t.params == study.trials[t.user_attrs["restart_of"]].params and t.state == TrialState.COMPLETE
+    before = len(study.trials)
+    sampler.optimize(n_trials=5, show_progress_bar=False)  # already there: nothing to do
+    assert len(study.trials) == before
 
 
 def test_several_devices_run_one_job_each(spec):

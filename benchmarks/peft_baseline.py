@@ -27,9 +27,10 @@ def peft_model_for(model_or_dir, cfg: ls.TrialConfig, target_modules, init_dir=N
     return get_peft_model(base, config)
 
 
-def train_alone_with_peft(model, cfg: ls.TrialConfig, samples, pad_id, device="cpu", steps=None):
+def train_alone_with_peft(model, cfg: ls.TrialConfig, samples, pad_id, device="cpu", steps=None, on_step=None):
     """Train `model` (from `peft_model_for`) on `cfg`'s own sample stream. Returns the loss of
-    every optimizer step and the final LoRA weights (PEFT state-dict names)."""
+    every optimizer step and the final LoRA weights (PEFT state-dict names). `on_step(k, tokens)`
+    is called after optimizer step k with the real (non-padding) tokens it trained on."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, foreach=True)
@@ -38,9 +39,11 @@ def train_alone_with_peft(model, cfg: ls.TrialConfig, samples, pad_id, device="c
     stream = SampleStream(len(samples), cfg.seed)
     losses = []
     for _ in range(steps or cfg.max_steps):
-        micro = []
+        micro, tokens = [], 0
         for _ in range(cfg.gradient_accumulation_steps):
-            batch = collate([[samples[i] for i in stream.take(cfg.batch_size)]], pad_id, device)
+            rows = [samples[i] for i in stream.take(cfg.batch_size)]
+            tokens += sum(len(s) for s in rows)
+            batch = collate([rows], pad_id, device)
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
             (out.loss / cfg.gradient_accumulation_steps).backward()
             micro.append(out.loss.detach())
@@ -50,5 +53,7 @@ def train_alone_with_peft(model, cfg: ls.TrialConfig, samples, pad_id, device="c
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(torch.stack(micro).mean())
+        if on_step is not None:
+            on_step(len(losses), tokens)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
     return [float(x) for x in losses], weights

@@ -7,7 +7,14 @@
 """
 
 from .config import ConfigError, JobSpec, TrialConfig
+from .costmodel import CostModel, calibrate, detect, profile_job
 from .engine import Failed, Finished, PackedJob, Report
+from .planner import FailedTrial, Plan, PlannedJob, admit, pack_microbatches, plan
 
-__all__ = ["ConfigError", "JobSpec", "TrialConfig", "PackedJob", "Report", "Finished", "Failed"]
+__all__ = [
+    "ConfigError", "JobSpec", "TrialConfig",
+    "PackedJob", "Report", "Finished", "Failed",
+    "plan", "Plan", "PlannedJob", "FailedTrial", "admit", "pack_microbatches",
+    "CostModel", "calibrate", "detect", "profile_job",
+]
 __version__ = "0.1.0"

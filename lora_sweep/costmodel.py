@@ -684,9 +684,9 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
         step_stats:
             One dict per profiled step, as `PackedJob.step_stats` records them: ``tokens``,
             ``padded_tokens`` (used when present), ``rank_tokens``, ``num_adapters``,
-            ``seconds`` and ``peak_memory_bytes`` (None on CPU: then memory is not fitted).
-            Memory fitting also needs ``rank_sum`` (sum of the adapters' ranks, added by
-            `profile_job`); ``num_gpus`` in a dict overrides the argument.
+            ``seconds``, ``rank_sum`` (the ranks of the step's adapters, summed) and
+            ``peak_memory_bytes`` (None on CPU: then memory is not fitted); ``num_gpus`` in a
+            dict overrides the argument.
         num_gpus:
             GPUs of the profiled job.
 
@@ -746,11 +746,9 @@ def _ridge_fit(features: np.ndarray, target: np.ndarray, prior: np.ndarray, stre
 def profile_job(job: Any, steps: int = 10, *, warmup: int = 1) -> list[dict]:
     """Run a `PackedJob` for a few steps and return their stats for `calibrate`.
 
-    The engine records one dict per step in ``job.step_stats``; this runs ``job.run()`` until
-    `warmup` + `steps` new ones exist (the engine yields only at its events, so it may run
-    on to the next evaluation or finished trial), closes the generator and drops the first
-    `warmup` steps (allocations, kernel autotuning). Each returned dict gains ``rank_sum``,
-    the sum of the ranks of the job's trials, which the memory fit needs.
+    The engine records one dict per step in ``job.step_stats`` (tokens, rank-tokens, the
+    ranks of the adapters in the step, wall time, peak memory); this takes `warmup` + `steps`
+    steps with ``job.step()`` and drops the first `warmup` (allocations, kernel compilation).
 
     Example:
 
@@ -761,9 +759,8 @@ def profile_job(job: Any, steps: int = 10, *, warmup: int = 1) -> list[dict]:
 
     Args:
         job:
-            A ``lora_sweep.engine.PackedJob`` (anything with ``run()``, ``step_stats`` and
-            ``trials``). Give its trials a range of ranks and batch sizes: the fit needs
-            steps that differ.
+            A ``lora_sweep.engine.PackedJob`` (anything with ``step()`` and ``step_stats``).
+            Give its trials a range of ranks and batch sizes: the fit needs steps that differ.
         steps:
             Steps to return.
         warmup:
@@ -772,24 +769,10 @@ def profile_job(job: Any, steps: int = 10, *, warmup: int = 1) -> list[dict]:
     Returns:
         The step stats, one dict per step.
     """
-    start, stats, rank_sum = len(job.step_stats), [], 0
-
-    def collect_new_steps():
-        stats.extend({"rank_sum": rank_sum, **s} for s in job.step_stats[start + len(stats):])
-
-    events = job.run()
-    try:
-        for _ in events:
-            # the job's adapters now; right for the steps since the last event as long as no
-            # trial joined or left in between (profile trials that outlast the profile)
-            rank_sum = sum(t.rank for t in job.trials.values())
-            collect_new_steps()
-            if len(stats) >= warmup + steps:
-                break
-    finally:
-        events.close()
-    collect_new_steps()  # steps after the last event, if the job ended
-    stats = stats[warmup: warmup + steps]
+    start = len(job.step_stats)
+    while len(job.step_stats) < start + warmup + steps and job.trials:
+        job.step()
+    stats = job.step_stats[start + warmup: start + warmup + steps]
     if len(stats) < steps:
         warnings.warn(f"The job finished after {len(stats)} profiled steps, fewer than the {steps} asked for.")
     return stats

@@ -335,6 +335,17 @@ class PackedJob:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
+    def step(self) -> list[Event]:
+        """One job step without `run()`: apply pending joins and leaves, train every active
+        adapter one micro-step, and return the events that produced. For callers that drive
+        the loop themselves (benchmarks, custom schedulers)."""
+        self._apply_membership()
+        if self.active:
+            self._train_step()
+        events = list(self._events)
+        self._events.clear()
+        return events
+
     def _drain_events(self) -> Iterator[Event]:
         while self._events:
             yield self._events.popleft()
@@ -356,6 +367,8 @@ class PackedJob:
         t0 = time.perf_counter()
         adapters = list(self.active.values())
         self.model.train()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # step_stats report this step's peak
 
         # data: each adapter's own samples for this micro-step
         cursors = [a.stream.state() for a in adapters]
@@ -438,11 +451,14 @@ class PackedJob:
             groups = [samples for _, samples in parts]
             if self.simulated_oom is not None and self.simulated_oom(self._padded_tokens(parts), len(self.active)):
                 raise torch.OutOfMemoryError("simulated out of memory (test hook)")
-            part_sums, _ = self._adapter_losses([adapters[i] for i in index], groups, train=True)
-            idx = torch.tensor(index, device=self.device)
-            loss = (part_sums / counts[idx] / accum[idx]).sum()
-            params = [p for i in index for p in self.optimizer.adapters[adapters[i].trial_id].params]
-            flat = torch.autograd.grad(loss, params)
+            try:
+                part_sums, _ = self._adapter_losses([adapters[i] for i in index], groups, train=True)
+                idx = torch.tensor(index, device=self.device)
+                loss = (part_sums / counts[idx] / accum[idx]).sum()
+                params = [p for i in index for p in self.optimizer.adapters[adapters[i].trial_id].params]
+                flat = torch.autograd.grad(loss, params)
+            finally:
+                self.segments.clear()
             for i in index:
                 n = len(self.optimizer.adapters[adapters[i].trial_id].params)
                 mine, flat = list(flat[:n]), flat[n:]
@@ -483,13 +499,11 @@ class PackedJob:
         """Per-adapter (sum of token losses, number of loss tokens) of one microbatch, with the
         LM head and cross-entropy computed in row chunks instead of full logits."""
         batch = collate(groups, self.pad_id, self.device, self.pad_length)
+        # The table stays set until the caller's backward is done: gradient checkpointing
+        # recomputes the layers' forward inside the backward and must see the same adapters.
         self.segments.set([a.key for a in adapters], [len(g) for g in groups],
                           [a.micro_steps for a in adapters] if train else None)
-        try:
-            hidden = self.body(input_ids=batch["input_ids"],
-                               attention_mask=batch["attention_mask"]).last_hidden_state
-        finally:
-            self.segments.clear()
+        hidden = self.body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
         # position t predicts token t + 1; keep only positions with a label, adapter by adapter
         hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, batch["keep_index"])
         targets = batch["labels"][:, 1:].reshape(-1).index_select(0, batch["keep_index"])
@@ -556,6 +570,7 @@ class PackedJob:
             "padded_tokens": sum(self._padded_tokens(parts) for parts in plan),
             "rank_tokens": sum(a.cfg.rank * sum(len(s) for s in g) for a, g in zip(adapters, groups)),
             "num_adapters": len(adapters),
+            "rank_sum": sum(a.cfg.rank for a in adapters),
             "microbatches": len(plan),
             "seconds": seconds,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
@@ -584,7 +599,10 @@ class PackedJob:
             chunk = self.eval_samples[start : start + size]
             for parts in self._microbatches([chunk] * len(adapters)):
                 index = [i for i, _ in parts]
-                s, c = self._adapter_losses([adapters[i] for i in index], [g for _, g in parts], train=False)
+                try:
+                    s, c = self._adapter_losses([adapters[i] for i in index], [g for _, g in parts], train=False)
+                finally:
+                    self.segments.clear()
                 sums.index_add_(0, torch.tensor(index), s.double().cpu())
                 counts.index_add_(0, torch.tensor(index), c.double().cpu())
         return {a.trial_id: float(s / c) for a, s, c in zip(adapters, sums, counts)}

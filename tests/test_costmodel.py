@@ -263,37 +263,24 @@ def test_save_load_round_trip(cm, tmp_path):
 # --------------------------------------------------------------------------- profiling
 
 
-class _FakeJob:
-    """What `profile_job` uses of a PackedJob: run() yields events; steps append stats."""
+def _tiny_job(tmp_path, max_steps):
+    from lora_sweep.engine import PackedJob
+    from lora_sweep.tiny import tiny_model_path, tiny_task_paths
 
-    def __init__(self, ranks, steps_per_event=3, total_steps=30):
-        self.trials = {}
-        self.step_stats = []
-        self.ranks, self.steps_per_event, self.total_steps = ranks, steps_per_event, total_steps
-        self.closed = False
-
-    def run(self):
-        try:
-            self.trials = {f"t{i}": TrialConfig(rank=r) for i, r in enumerate(self.ranks)}
-            for step in range(self.total_steps):
-                self.step_stats.append({"tokens": 100 + step, "padded_tokens": 128 + step, "rank_tokens": 1000,
-                                        "num_adapters": len(self.ranks), "seconds": 0.1 + step,
-                                        "peak_memory_bytes": None})
-                if (step + 1) % self.steps_per_event == 0:
-                    yield ("report", step)
-        finally:
-            self.closed = True
+    spec = JobSpec(base_model=tiny_model_path(), train_data=tiny_task_paths()[0], max_seq_len=24,
+                   output_dir=str(tmp_path), eval_every=100)
+    return PackedJob(spec, [TrialConfig(rank=8, batch_size=2, max_steps=max_steps),
+                            TrialConfig(rank=16, batch_size=4, max_steps=max_steps)], progress=False)
 
 
-def test_profile_job_returns_steps_after_warmup():
-    job = _FakeJob([8, 16])
+def test_profile_job_returns_steps_after_warmup(tmp_path):
+    job = _tiny_job(tmp_path, max_steps=20)
     stats = profile_job(job, steps=5, warmup=2)
-    assert [s["seconds"] for s in stats] == [2.1, 3.1, 4.1, 5.1, 6.1]
-    assert all(s["rank_sum"] == 24 for s in stats)
-    assert job.closed  # the generator was closed, not left running
+    assert len(stats) == 5 and stats == job.step_stats[2:7]
+    assert all(s["rank_sum"] == 24 and s["num_adapters"] == 2 and s["seconds"] > 0 for s in stats)
 
 
-def test_profile_job_warns_when_the_job_ends_early():
+def test_profile_job_warns_when_the_job_ends_early(tmp_path):
     with pytest.warns(UserWarning, match="fewer than"):
-        stats = profile_job(_FakeJob([8], total_steps=4), steps=10)
+        stats = profile_job(_tiny_job(tmp_path, max_steps=4), steps=10)
     assert len(stats) == 3

@@ -1,0 +1,339 @@
+"""End-to-end GPU evidence: packed LoRA jobs against one trial at a time with PEFT.
+
+Real architectures built from their configs with random bf16 weights (nothing is
+downloaded), samples of varying length, one GPU. Sections (pick with --sections):
+
+* throughput  packed jobs of 1..32 adapters vs one adapter alone with PEFT: tokens/s,
+              the ratio, and MFU against the bf16 peak measured in the same run
+* kernels     the packed job with the Triton kernels vs the torch path (LORA_SWEEP_KERNELS=torch)
+* makespan    120 configs of PLoRA's Table 1 space: the planner's predicted makespan for
+              lora_sweep and for one-trial-at-a-time PEFT, and a measured 16-config subset
+              both ways against the prediction
+* overhead    the same 16 configs through PackedLoRASampler vs PackedJob driven directly
+
+    python -m benchmarks.sweep_gpu --models llama-3.2-1b --seq 256 --out results.json
+
+Timing: CUDA events around each optimizer step after warm-up, medians. Model building is
+left out of every timing (random weights would flatter a load time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import lora_sweep as ls
+from lora_sweep.costmodel import PRESETS, ModelShape
+from lora_sweep.layers import MultiLoRALinear
+from lora_sweep.tiny import tiny_model_path
+
+from benchmarks.peft_baseline import peft_model_for, train_alone_with_peft
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MIXED_RANKS = [8, 16, 32, 64, 128, 8, 16, 32, 64, 128, 16, 32, 8, 64, 16, 128]  # PLoRA-style spread
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def build_model(name: str) -> nn.Module:
+    """A real architecture from its config, random bf16 weights, on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(PRESETS[name])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval().requires_grad_(False)
+
+
+def strip_adapters(model: nn.Module) -> nn.Module:
+    """Put the plain linear layers back after a packed job, so the next run starts clean."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, MultiLoRALinear):
+                setattr(module, name, child.base_layer)
+    return model
+
+
+def synthetic_rows(n: int, seq_len: int, seed: int) -> list[dict]:
+    """{"text"} rows whose lengths spread like real tasks: log-normal around 40% of the
+    maximum, clipped to [10%, 100%] (GLUE-like at 256, GSM8K-like at 1024). Each word of
+    the bundled tokenizer's vocabulary is one token."""
+    from transformers import AutoTokenizer
+
+    words = [w.lstrip("Ġ") for w in AutoTokenizer.from_pretrained(tiny_model_path()).get_vocab()
+             if w.startswith("Ġ") and w[1:].isalpha()]
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        length = int(min(seq_len, max(0.1 * seq_len, rng.lognormvariate(math.log(0.4 * seq_len), 0.5)))) - 2
+        rows.append({"text": " ".join(rng.choice(words) for _ in range(max(1, length)))})
+    return rows
+
+
+def spec_for(model, rows, seq_len, **kw) -> ls.JobSpec:
+    return ls.JobSpec(base_model=lambda: model, tokenizer=tiny_model_path(), train_data=rows, max_seq_len=seq_len,
+                      eval_every=10**9, output_dir="/tmp/lora_sweep_bench", device="cuda", **kw)
+
+
+def flops(shape: ModelShape, lengths: list[int], rank_tokens: float, modules=PROJECTIONS) -> float:
+    """Model FLOPs of one training step: forward + input-gradient of the base (4 x GEMM
+    parameters x tokens, the LM head included), causal attention (forward 2*l^2*d per
+    layer, backward twice that) and the LoRA matmuls (6 x rank x (in + out) per token)."""
+    gemm_params = shape.num_layers * sum(a * b for a, b in shape.linear_dims.values()) \
+        + shape.vocab_size * shape.hidden_size
+    tokens = sum(lengths)
+    attention = 3 * sum(2 * l * l * shape.q_dim for l in lengths) * shape.num_layers
+    lora = 6 * rank_tokens * shape.lora_dims(modules) * shape.num_layers
+    return 4 * gemm_params * tokens + attention + lora
+
+
+def ceilings() -> dict:
+    """The GPU's measured bf16 matmul rate and copy bandwidth, the denominators of MFU."""
+    a, b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16), torch.randn(8192, 8192, device="cuda",
+                                                                                      dtype=torch.bfloat16)
+    x = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    mm = _median_ms(lambda: a @ b, 20)
+    cp = _median_ms(lambda: y.copy_(x), 20)
+    return {"bf16_tflops": 2 * 8192**3 / mm / 1e9, "copy_gbps": 2 * x.numel() * 2 / cp / 1e6}
+
+
+def _median_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------- one measurement
+
+
+def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, **spec_kw) -> dict:
+    """Median step time of one packed job, timed per step with CUDA events."""
+    job = ls.PackedJob(spec_for(model, rows, seq_len, **spec_kw), trials, progress=False)
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for k in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        job.step()
+        end.record()
+        torch.cuda.synchronize()
+        if k >= warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+    stats = job.step_stats[warmup:]
+    result = {"median_step_s": statistics.median(times), "tokens_per_step": statistics.mean(s["tokens"] for s in stats),
+              "padded_tokens_per_step": statistics.mean(s["padded_tokens"] for s in stats),
+              "rank_tokens_per_step": statistics.mean(s["rank_tokens"] for s in stats),
+              "lengths": [len(job.train_samples[i]) for i in range(64)],
+              "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "step_stats": stats}
+    del job
+    strip_adapters(model)
+    torch.cuda.empty_cache()
+    return result
+
+
+def time_peft(model, cfg, rows, seq_len, warmup: int, steps: int) -> dict:
+    """Median step time of one adapter trained alone with PEFT, the same samples."""
+    job = ls.PackedJob(spec_for(model, rows, seq_len), [], progress=False)  # tokenised the same way
+    samples, pad_id = job.train_samples, job.pad_id
+    del job
+    strip_adapters(model)
+    peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
+    marks, tokens = [], []
+
+    def on_step(k, n):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append(event)
+        tokens.append(n)
+
+    torch.cuda.reset_peak_memory_stats()
+    train_alone_with_peft(peft_model, cfg, samples, pad_id, device="cuda", steps=warmup + steps, on_step=on_step)
+    torch.cuda.synchronize()
+    times = [marks[k].elapsed_time(marks[k + 1]) / 1e3 for k in range(warmup, warmup + steps - 1)]
+    peft_model.unload()
+    torch.cuda.empty_cache()
+    return {"median_step_s": statistics.median(times), "tokens_per_step": statistics.mean(tokens[warmup + 1:]),
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30}
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def throughput(models, seqs, adapter_counts, batches, peak, warmup, steps, log) -> list[dict]:
+    rows_out = []
+    for name in models:
+        model = build_model(name)
+        shape = ModelShape.from_config(PRESETS[name])
+        for seq in seqs:
+            rows = synthetic_rows(512, seq, seed=0)
+            for batch in batches:
+                solo_cfg = ls.TrialConfig(rank=16, alpha=32, dropout=0.05, batch_size=batch, max_steps=10**6)
+                solo = time_peft(model, solo_cfg, rows, seq, warmup, steps)
+                solo_tps = solo["tokens_per_step"] / solo["median_step_s"]
+                log(f"{name} seq {seq} batch {batch}: PEFT alone {solo_tps:,.0f} tok/s")
+                for ranks in ("16", "mixed"):
+                    for n in adapter_counts:
+                        if ranks == "mixed" and n < 4:
+                            continue
+                        trials = [ls.TrialConfig(rank=16 if ranks == "16" else MIXED_RANKS[i % 16],
+                                                 alpha=32, dropout=0.05, batch_size=batch, max_steps=10**6,
+                                                 seed=i, trial_id=f"t{i}") for i in range(n)]
+                        try:
+                            r = time_packed(model, trials, rows, seq, warmup, steps,
+                                            max_tokens_per_microbatch=64 * 1024)
+                        except torch.OutOfMemoryError as err:
+                            log(f"  {n} adapters: out of memory ({err})")
+                            strip_adapters(model)
+                            torch.cuda.empty_cache()
+                            continue
+                        lengths = r.pop("lengths")
+                        mean_len = statistics.mean(lengths)
+                        per_step = flops(shape, [mean_len] * round(r["tokens_per_step"] / mean_len),
+                                         r["rank_tokens_per_step"])
+                        solo_flops = flops(shape, [mean_len] * max(1, round(solo["tokens_per_step"] / mean_len)),
+                                           16 * solo["tokens_per_step"])
+                        tps = r["tokens_per_step"] / r["median_step_s"]
+                        row = {"model": name, "seq": seq, "batch": batch, "ranks": ranks, "adapters": n,
+                               "tokens_per_s": tps, "solo_tokens_per_s": solo_tps, "ratio": tps / solo_tps,
+                               "mfu": per_step / r["median_step_s"] / (peak * 1e12),
+                               "solo_mfu": solo_flops / solo["median_step_s"] / (peak * 1e12),
+                               "padding_waste": 1 - r["tokens_per_step"] / r["padded_tokens_per_step"],
+                               "peak_memory_gb": r["peak_memory_gb"], "solo_peak_memory_gb": solo["peak_memory_gb"],
+                               "median_step_s": r["median_step_s"], "solo_median_step_s": solo["median_step_s"],
+                               "step_stats": r["step_stats"]}
+                        rows_out.append(row)
+                        log(f"  {n:2d} adapters ({ranks}): {tps:,.0f} tok/s, {row['ratio']:.1f}x, "
+                            f"MFU {row['mfu']:.1%} (alone {row['solo_mfu']:.1%}), padding {row['padding_waste']:.0%}, "
+                            f"{r['peak_memory_gb']:.1f} GiB")
+        del model
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def kernels(model_name, seq, n, peak, warmup, steps, log) -> dict:
+    model = build_model(model_name)
+    rows = synthetic_rows(512, seq, seed=1)
+    trials = [ls.TrialConfig(rank=16, alpha=32, dropout=0.05, batch_size=1, max_steps=10**6, seed=i,
+                             trial_id=f"t{i}") for i in range(n)]
+    out = {}
+    for mode in ("triton", "torch"):
+        os.environ["LORA_SWEEP_KERNELS"] = mode
+        r = time_packed(model, trials, rows, seq, warmup, steps)
+        out[mode] = {"tokens_per_s": r["tokens_per_step"] / r["median_step_s"], "median_step_s": r["median_step_s"],
+                     "peak_memory_gb": r["peak_memory_gb"]}
+        log(f"{model_name} seq {seq}, {n} adapters, {mode}: {out[mode]['tokens_per_s']:,.0f} tok/s")
+    os.environ.pop("LORA_SWEEP_KERNELS")
+    out["speedup"] = out["triton"]["tokens_per_s"] / out["torch"]["tokens_per_s"]
+    del model
+    torch.cuda.empty_cache()
+    return {"model": model_name, "seq": seq, "adapters": n, **out}
+
+
+def profile(model_name, seq, n, batch, log, out_dir) -> str:
+    """Where a packed step's time goes: torch profiler table of the top CUDA ops."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    model = build_model(model_name)
+    rows = synthetic_rows(512, seq, seed=2)
+    trials = [ls.TrialConfig(rank=16, alpha=32, dropout=0.05, batch_size=batch, max_steps=10**6, seed=i,
+                             trial_id=f"t{i}") for i in range(n)]
+    job = ls.PackedJob(spec_for(model, rows, seq), trials, progress=False)
+    for _ in range(3):
+        job.step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            job.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60)
+    if out_dir:
+        prof.export_chrome_trace(os.path.join(out_dir, f"trace_{model_name}_{seq}_{n}.json"))
+    del job
+    strip_adapters(model)
+    del model
+    torch.cuda.empty_cache()
+    log(table)
+    log(cpu_table)
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="throughput,kernels")
+    parser.add_argument("--models", default="llama-3.2-1b,qwen2.5-7b")
+    parser.add_argument("--seq", default="256,1024")
+    parser.add_argument("--adapters", default="1,4,8,16,32")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--kernels-model", default="qwen2.5-7b")
+    parser.add_argument("--out", default="benchmarks/results/sweep_gpu.json")
+    parser.add_argument("--profile", default="", help="model,seq,adapters,batch of a packed step to profile")
+    args = parser.parse_args()
+    sections = args.sections.split(",")
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    import transformers
+    import triton
+
+    result = {"benchmark": "sweep_gpu", "date": datetime.date.today().isoformat(),
+              "gpu": torch.cuda.get_device_name(), "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                                                                 "transformers": transformers.__version__,
+                                                                 "lora_sweep": ls.__version__},
+              "args": vars(args)}
+    result["ceilings"] = ceilings()
+    peak = result["ceilings"]["bf16_tflops"]
+    log(f"{result['gpu']}: bf16 matmul {peak:.0f} TFLOP/s, copy {result['ceilings']['copy_gbps']:.0f} GB/s")
+    t0 = time.time()
+    if "throughput" in sections:
+        result["throughput"] = throughput(args.models.split(","), [int(s) for s in args.seq.split(",")],
+                                          [int(n) for n in args.adapters.split(",")],
+                                          [int(b) for b in args.batches.split(",")], peak, args.warmup, args.steps, log)
+    if "kernels" in sections:
+        result["kernels"] = kernels(args.kernels_model, 1024, 16, peak, args.warmup, args.steps, log)
+    if args.profile:
+        m, q, n, b = args.profile.split(",")
+        result["profile"] = profile(m, int(q), int(n), int(b), log, os.path.dirname(os.path.abspath(args.out)))
+    result["seconds"] = time.time() - t0
+    best = {}
+    for r in result.get("throughput", []):
+        key = f"{r['model']} seq {r['seq']} batch {r['batch']}"
+        if r["adapters"] >= 16 and r["ratio"] > best.get(key, {}).get("ratio", 0):
+            best[key] = {"adapters": r["adapters"], "ranks": r["ranks"], "ratio": round(r["ratio"], 2),
+                         "mfu": round(r["mfu"], 3), "solo_mfu": round(r["solo_mfu"], 3)}
+    result["summary"] = {"best_ratio_16plus_adapters": best,
+                         "kernels_speedup": result.get("kernels", {}).get("speedup")}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    log(json.dumps(result["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,11 +3,17 @@ character-level tokenizer, and a small prompt/completion task. All offline, all 
 
 from __future__ import annotations
 
-import random
-import string
+import os
 
-import pytest
-import torch
+# The Triton kernels run in Triton's interpreter on CPU tensors. It must be on before any
+# @triton.jit function is defined, i.e. before the first import of lora_sweep's kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
+import string  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 CHARS = string.ascii_lowercase + string.digits + " =+-:>."
 

@@ -26,13 +26,15 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Sequence, Union
 
-import cvxpy as cp
 import numpy as np
 
 from .config import ConfigError, TrialConfig
 from .costmodel import GB, CostModel, gpu_counts
+
+if TYPE_CHECKING:  # cvxpy loads only when a MILP is built: importing lora_sweep stays quick
+    import cvxpy as cp
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +203,7 @@ class _JobMILP:
 
     def __init__(self, cm: CostModel, trials: Sequence[TrialConfig], num_gpus: int, max_adapters: Optional[int],
                  objective: str):
+        import cvxpy as cp
         n, d = len(trials), num_gpus
         self.weight = np.array([_value(cm, t, objective) for t in trials])
         self.steps = np.array([t.max_steps for t in trials], dtype=float)
@@ -254,6 +257,7 @@ class _JobMILP:
     def solve(self, available: np.ndarray, required: Optional[int] = None,
               max_seconds: float = math.inf) -> np.ndarray:
         """The available trials (a boolean mask) of the highest-throughput job; empty if none fits."""
+        import cvxpy as cp
         x = self.greedy(available, required, max_seconds)
         if not x.any():
             return x
@@ -641,6 +645,7 @@ def pack_microbatches(
     Returns:
         Lists of sample indices, one per microbatch, largest first (so the last is smallest).
     """
+    import cvxpy as cp
     if capacity_tokens <= 0:
         raise ValueError(f"The value of `capacity_tokens` is {capacity_tokens}, but must be `capacity_tokens > 0`.")
     lengths = [int(n) for n in sample_lengths]
@@ -706,6 +711,7 @@ def _two_stage_milp(items: list[int], lengths: list[int], capacity: int, max_bin
     """Stage 1: fewest bins (at most `max_bins`, the greedy count; skipped when that already
     meets the volume bound); stage 2: with that many bins, the smallest last bin. None when
     neither stage proves a solution within the time left."""
+    import cvxpy as cp
     size = np.array([lengths[i] for i in items], dtype=float)
     n, num_bins, found = len(items), max_bins, None
 
@@ -736,6 +742,7 @@ def _two_stage_milp(items: list[int], lengths: list[int], capacity: int, max_bin
 
 def _solve_until(problem: cp.Problem, deadline: float) -> bool:
     """Solve with HiGHS within the time left; True if it proved a solution optimal."""
+    import cvxpy as cp
     left = deadline - time.perf_counter()
     if left <= 0:
         logger.info("pack_microbatches: the MILP ran out of time; using first-fit-decreasing.")

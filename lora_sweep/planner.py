@@ -645,7 +645,6 @@ def pack_microbatches(
     Returns:
         Lists of sample indices, one per microbatch, largest first (so the last is smallest).
     """
-    import cvxpy as cp
     if capacity_tokens <= 0:
         raise ValueError(f"The value of `capacity_tokens` is {capacity_tokens}, but must be `capacity_tokens > 0`.")
     lengths = [int(n) for n in sample_lengths]
@@ -658,8 +657,8 @@ def pack_microbatches(
     if time_limit > 0 and not _provably_optimal(bins, lengths, capacity_tokens):
         try:
             better = _two_stage_milp(items, lengths, capacity_tokens, len(bins), deadline)
-        except cp.error.SolverError as err:
-            logger.info("pack_microbatches: the MILP failed (%s); using first-fit-decreasing.", err)
+        except Exception as err:  # cvxpy's SolverError, or no cvxpy where the engine runs
+            logger.info("pack_microbatches: the MILP failed (%r); using first-fit-decreasing.", err)
             better = None
         if better is not None and _valid(better, items, lengths, capacity_tokens) \
                 and _key(better, lengths) < _key(bins, lengths):

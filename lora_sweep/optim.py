@@ -79,20 +79,17 @@ class PackedAdamW:
         index = torch.tensor(owner, device=norms.device)
         return torch.zeros(len(names), device=norms.device).index_add_(0, index, norms.square()).sqrt()
 
-    def step(self, names: list[str], norms: torch.Tensor) -> None:
-        """Clip each adapter by its own norm (`norms` from `grad_norms`), then one AdamW update."""
+    def step(self, names: list[str], norms: list[float]) -> None:
+        """Clip each adapter by its own norm (host values of `grad_norms`, which the engine
+        reads anyway to catch non-finite gradients), then one AdamW update for all."""
         if not names:
             return
         states = [self.adapters[n] for n in names]
-        # Clip as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1.
-        coef = torch.ones_like(norms)
-        limits = torch.tensor([s.max_grad_norm or math.inf for s in states], device=norms.device)
-        clipped = torch.isfinite(limits)
-        coef[clipped] = (limits[clipped] / (norms[clipped] + 1e-6)).clamp(max=1.0)
-
-        params, grads, exp_avg, exp_avg_sq, per_tensor_coef = [], [], [], [], []
-        decay, step_size, bc2_sqrt = [], [], []
-        for i, s in enumerate(states):
+        params, grads, exp_avg, exp_avg_sq = [], [], [], []
+        clip, decay, step_size, bc2_sqrt = [], [], [], []
+        for s, norm in zip(states, norms):
+            # as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1
+            coef = min(1.0, s.max_grad_norm / (norm + 1e-6)) if s.max_grad_norm else 1.0
             lr = s.current_lr
             s.step += 1
             bias_correction1 = 1 - self.beta1 ** s.step
@@ -102,15 +99,16 @@ class PackedAdamW:
                 grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
                 exp_avg.append(m)
                 exp_avg_sq.append(v)
-                per_tensor_coef.append(i)
+                clip.append(coef)
                 decay.append(1 - lr * s.weight_decay)
                 step_size.append(-(lr / bias_correction1))
                 bc2_sqrt.append(math.sqrt(bias_correction2))
 
-        if clipped.any():
-            torch._foreach_mul_(grads, list(coef[torch.tensor(per_tensor_coef, device=coef.device)].unbind()))
         with torch.no_grad():
-            torch._foreach_mul_(params, decay)
+            if any(c != 1.0 for c in clip):
+                torch._foreach_mul_(grads, clip)
+            if any(d != 1.0 for d in decay):
+                torch._foreach_mul_(params, decay)
             torch._foreach_lerp_(exp_avg, grads, 1 - self.beta1)
             torch._foreach_mul_(exp_avg_sq, self.beta2)
             torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - self.beta2)

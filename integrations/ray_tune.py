@@ -87,22 +87,32 @@ class _Message:
 
 @dataclass
 class _Slot:
-    """A trial registered with a pack server, from its join until its proxy has its last message."""
+    """One stay of a trial in a pack, from its join until its proxy has its last message.
 
-    cfg: TrialConfig
+    A trial that Tune pauses and resumes has two stays; each has its own `ticket`, which is
+    also the adapter's name in the engine (Tune's trial id, then `<id>-resumed1`, ...).
+    """
+
+    cfg: TrialConfig  # cfg.trial_id is the ticket
+    tune_id: str  # Tune's trial id
     deadline: float  # monotonic time at which the lease expires
     resume_step: int = 0  # reports up to this step were already given to Tune (a resumed trial)
     in_job: bool = True  # False once it finished or failed (the message may still wait for pickup)
     outbox: deque = field(default_factory=deque)
+
+    @property
+    def ticket(self) -> str:
+        return self.cfg.trial_id
 
 
 class PackServer:
     """One `PackedJob` in a Ray actor: the base model loaded once, trained continuously.
 
     `PackedExecutor` starts these as threaded Ray actors (`max_concurrency` > 1): proxies call
-    `try_join`, `next_messages`, `heartbeat` and `leave` from Tune's trial actors while the
-    job's `run()` loop turns in a background thread. A second thread, the lease watchdog,
-    drops trials whose proxy stopped calling. Every join and leave is recorded (`history`).
+    `try_join`, `next_messages`, `heartbeat` and `leave` from Tune's trial actors, and Tune's
+    driver calls `drop`, while the job's `run()` loop turns in a background thread. A second
+    thread, the lease watchdog, drops trials whose proxy stopped calling. Every join and leave
+    is recorded (`history`).
 
     Args:
         spec:
@@ -127,71 +137,83 @@ class PackServer:
         self.lease_seconds = lease_seconds
         self.checkpoint_every_report = checkpoint_every_report
         self._memory_model = _memory_model(spec, self.job.device)
-        self._slots: dict[str, _Slot] = {}
-        self._left: dict[str, str] = {}  # trial_id -> why it left, for late callers
+        self._slots: dict[str, _Slot] = {}  # ticket -> slot
+        self._tickets: dict[str, str] = {}  # Tune's trial id -> the ticket of its current stay
+        self._joins: dict[str, int] = {}  # Tune's trial id -> how often it joined
+        self._left: dict[str, str] = {}  # ticket -> why it left, for late callers
         self._history: list[dict] = []
         self._cond = threading.Condition()  # guards everything above; notified on any change
         self._stopping = False
         threading.Thread(target=self._train_forever, name="pack-train", daemon=True).start()
         threading.Thread(target=self._expire_leases, name="pack-leases", daemon=True).start()
 
-    # ------------------------------------------------------------------ called by proxies
+    # ------------------------------------------------------------------ called by proxies and Tune
 
     def try_join(self, config: dict, proxy: Optional[dict] = None, resume_step: int = 0) -> tuple[str, str]:
-        """Admit a trial if the job has room. Returns ("joined", pack_id), ("full", "") or
-        ("invalid", message) when the config cannot work with this model.
+        """Admit a trial if the job has room: ("joined", ticket), ("full", "") or ("invalid",
+        message) when the config cannot work with this model.
 
         A trial that Tune paused and now resumes joins again from step 0 with `resume_step`,
-        the last step Tune has: the engine retrains it deterministically and reports only
-        the steps after that one."""
+        the step of the checkpoint Tune resumes it from: the engine retrains it
+        deterministically and only the reports after that step go to Tune."""
         cfg = TrialConfig.from_dict(config)
+        tune_id = cfg.trial_id
         with self._cond:
-            if cfg.trial_id in self._slots:
-                return "invalid", f"Trial {cfg.trial_id!r} is already in pack {self.job.pack_id!r}."
-            if cfg.trial_id in self.job.active:
-                return "full", ""  # its paused self is still leaving the job: retry after the next step
+            if tune_id in self._tickets:
+                return "invalid", f"Trial {tune_id!r} is already in pack {self.job.pack_id!r}."
+            joins = self._joins.get(tune_id, 0)
+            if joins:  # its earlier stay may still be leaving the job, or have finished in it
+                cfg.trial_id = f"{tune_id}-resumed{joins}"
             try:
                 check_against_model(cfg, self.job.spec, self.job.module_shapes)
                 if not self._has_room(cfg):
                     return "full", ""
             except ConfigError as e:
                 return "invalid", str(e)
-            pack_mates = self._in_job()
-            self._slots[cfg.trial_id] = _Slot(cfg, time.monotonic() + self.lease_seconds, resume_step)
-            self._left.pop(cfg.trial_id, None)
-            self.job.add_trial(dataclasses.replace(cfg))  # a copy: a rejoin must not meet the old one
-            self._record("join", cfg.trial_id, pack_mates=len(pack_mates), config=cfg.to_dict(),
+            pack_mates = len(self._in_job())
+            self._slots[cfg.trial_id] = _Slot(cfg, tune_id, time.monotonic() + self.lease_seconds, resume_step)
+            self._tickets[tune_id] = cfg.trial_id
+            self._joins[tune_id] = joins + 1
+            self.job.add_trial(cfg)
+            self._record("join", tune_id, pack_mates=pack_mates, config={**cfg.to_dict(), "trial_id": tune_id},
                          resume_step=resume_step, proxy=proxy or {})
             self._cond.notify_all()
-        return "joined", self.job.pack_id
+        return "joined", cfg.trial_id
 
-    def next_messages(self, trial_id: str, timeout: float) -> list[_Message]:
-        """The trial's messages, waiting up to `timeout` seconds for one. Renews its lease."""
+    def next_messages(self, ticket: str, timeout: float) -> list[_Message]:
+        """The stay's messages, waiting up to `timeout` seconds for one. Renews its lease."""
         with self._cond:
-            slot = self._slots.get(trial_id)
+            slot = self._slots.get(ticket)
             if slot is None:
-                why = self._left.get(trial_id, "it never joined")
+                why = self._left.get(ticket, "it never joined")
                 return [_Message("failed", 0, reason=f"the trial is not in pack {self.job.pack_id!r}: {why}")]
             slot.deadline = time.monotonic() + self.lease_seconds
-            self._cond.wait_for(lambda: slot.outbox or self._slots.get(trial_id) is not slot, timeout)
+            self._cond.wait_for(lambda: slot.outbox or self._slots.get(ticket) is not slot, timeout)
             messages = list(slot.outbox)
             slot.outbox.clear()
             if any(m.kind != "report" for m in messages):
-                self._slots.pop(trial_id, None)  # its proxy has the last word: forget it
+                self._forget(ticket, "")  # its proxy has the last word
             return messages
 
-    def heartbeat(self, trial_id: str) -> bool:
-        """Renew the trial's lease; False if the server no longer knows it."""
+    def heartbeat(self, ticket: str) -> bool:
+        """Renew the stay's lease; False if the server no longer knows it."""
         with self._cond:
-            slot = self._slots.get(trial_id)
+            slot = self._slots.get(ticket)
             if slot is not None:
                 slot.deadline = time.monotonic() + self.lease_seconds
             return slot is not None
 
-    def leave(self, trial_id: str, reason: str = "stopped") -> None:
-        """Drop the trial at the job's next step (Tune stopped it). Idempotent."""
+    def leave(self, ticket: str, reason: str = "stopped") -> None:
+        """The proxy is done with this stay: drop the adapter at the job's next step. Idempotent."""
         with self._cond:
-            self._forget(trial_id, reason)
+            self._forget(ticket, reason)
+
+    def drop(self, tune_id: str, reason: str) -> None:
+        """Tune's driver is done with this trial (stopped, paused or errored): drop its
+        adapter at the job's next step, whatever its proxy is doing. Idempotent."""
+        with self._cond:
+            if tune_id in self._tickets:
+                self._forget(self._tickets[tune_id], reason)
 
     # ------------------------------------------------------------------ records
 
@@ -209,10 +231,10 @@ class PackServer:
             return len(self._in_job()), self.max_adapters
 
     def history(self) -> list[dict]:
-        """Every join and leave: time, event, trial_id, pack_id, `active` (trials in the job
-        after it); joins add `pack_mates` (trials already training), `config`, `resume_step`
-        and `proxy` (its pid and node); leaves add the `reason` (finished, failed, stopped,
-        errored, lease expired)."""
+        """Every join and leave: time, event, trial_id (Tune's), pack_id, `active` (trials in
+        the job after it); joins add `pack_mates` (trials already training), `config`,
+        `resume_step` and `proxy` (its pid and node); leaves add the `reason` (finished,
+        failed, stopped, paused, errored, lease expired)."""
         with self._cond:
             return list(self._history)
 
@@ -236,9 +258,9 @@ class PackServer:
             except Exception as e:  # a crashed step fails its trials, not the server
                 logger.exception("pack %s: the training loop failed", self.job.pack_id)
                 with self._cond:
-                    for trial_id in self._in_job():
-                        self.job.remove_trial(trial_id)
-                        self._finish(trial_id, _Message("failed", 0, reason=f"the pack server failed: {e!r}"))
+                    for ticket in self._in_job():
+                        self.job.remove_trial(ticket)
+                        self._finish(ticket, _Message("failed", 0, reason=f"the pack server failed: {e!r}"))
 
     def _dispatch(self, event) -> None:
         """Turn one engine event into a message for the trial's proxy."""
@@ -252,42 +274,42 @@ class PackServer:
         if isinstance(event, Report):
             if event.step >= slot.cfg.max_steps or event.step <= slot.resume_step:
                 return  # Finished follows with the same metrics / Tune had it before a pause
-            adapter = self._current_adapter(event.trial_id) if self.checkpoint_every_report else None
+            adapter = self._current_adapter(slot.ticket) if self.checkpoint_every_report else None
             message = _Message("report", event.step, metrics, adapter)
         elif isinstance(event, Finished):
             message = _Message("finished", event.step, metrics, _read_dir(event.adapter_dir))
         else:
             assert isinstance(event, Failed), event
-            message = _Message("failed", event.step, reason=event.reason)
+            message = _Message("failed", event.step, reason=f"{event.reason} (pack {self.job.pack_id!r})")
         with self._cond:
-            if self._slots.get(event.trial_id) is not slot or not slot.in_job:
+            if self._slots.get(slot.ticket) is not slot or not slot.in_job:
                 return  # it left while we saved the adapter
             if message.kind == "report":
                 slot.outbox.append(message)
                 self._cond.notify_all()
             else:
-                self._finish(event.trial_id, message)
+                self._finish(slot.ticket, message)
 
-    def _current_adapter(self, trial_id: str) -> dict[str, bytes]:
+    def _current_adapter(self, ticket: str) -> dict[str, bytes]:
         # Runs between steps in the training thread, so the weights are not moving.
         path = tempfile.mkdtemp(prefix="lora_sweep_ckpt_")
         try:
-            return _read_dir(self.job.save_adapter(trial_id, path))
+            return _read_dir(self.job.save_adapter(ticket, path))
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ leases
 
     def _expire_leases(self) -> None:
-        """Drop trials whose proxy has not called within `lease_seconds` (it died)."""
+        """Drop stays whose proxy has not called within `lease_seconds` (it died)."""
         while True:
             with self._cond:
                 if self._cond.wait_for(lambda: self._stopping, timeout=min(1.0, self.lease_seconds / 4)):
                     return
                 now = time.monotonic()
-                for trial_id in [t for t, s in self._slots.items() if s.deadline < now]:
-                    logger.warning("pack %s: trial %s lost its proxy; dropping it", self.job.pack_id, trial_id)
-                    self._forget(trial_id, "lease expired")
+                for ticket in [t for t, s in self._slots.items() if s.deadline < now]:
+                    logger.warning("pack %s: trial %s lost its proxy; dropping it", self.job.pack_id, ticket)
+                    self._forget(ticket, "lease expired")
 
     # ------------------------------------------------------------------ helpers (hold self._cond)
 
@@ -309,28 +331,31 @@ class PackServer:
             self._memory_model.check_trial(cfg, 1)  # raises a ConfigError naming the memory it needs
         return False
 
-    def _finish(self, trial_id: str, message: _Message) -> None:
-        """The trial's last message: it left the job (finished or failed)."""
-        slot = self._slots[trial_id]
+    def _finish(self, ticket: str, message: _Message) -> None:
+        """The stay's last message: the adapter left the job (finished or failed)."""
+        slot = self._slots[ticket]
         slot.in_job = False
         slot.outbox.append(message)
         reason = "finished" if message.kind == "finished" else "failed"
-        self._left[trial_id] = reason
-        self._record("leave", trial_id, reason=reason)
+        self._left[ticket] = reason
+        self._record("leave", slot.tune_id, reason=reason)
         self._cond.notify_all()
 
-    def _forget(self, trial_id: str, reason: str) -> None:
-        slot = self._slots.pop(trial_id, None)
+    def _forget(self, ticket: str, reason: str) -> None:
+        """End the stay; if its adapter is still training, it leaves the job at the next step."""
+        slot = self._slots.pop(ticket, None)
         if slot is None:
             return
+        if self._tickets.get(slot.tune_id) == ticket:
+            del self._tickets[slot.tune_id]
         if slot.in_job:
-            self.job.remove_trial(trial_id)
-            self._left[trial_id] = reason
-            self._record("leave", trial_id, reason=reason)
+            self.job.remove_trial(ticket)
+            self._left[ticket] = reason
+            self._record("leave", slot.tune_id, reason=reason)
         self._cond.notify_all()
 
-    def _record(self, event: str, trial_id: str, **details) -> None:
-        self._history.append({"time": time.time(), "event": event, "trial_id": trial_id,
+    def _record(self, event: str, tune_id: str, **details) -> None:
+        self._history.append({"time": time.time(), "event": event, "trial_id": tune_id,
                               "pack_id": self.job.pack_id, "active": len(self._in_job()), **details})
 
 
@@ -372,26 +397,27 @@ def _run_trial(config: dict, settings: _ProxySettings) -> None:
     trial_id = tune.get_context().get_trial_id()
     cfg = TrialConfig.from_dict(config, trial_id=trial_id)  # a bad value: ConfigError, the trial is ERROR
     servers = [ray.get_actor(name, namespace=NAMESPACE) for name in settings.server_names]
-    server, pack_id = _join_a_pack(servers, cfg, _resume_step(tune.get_checkpoint()), settings.poll_seconds)
-    heartbeat = _Heartbeat(server, trial_id, settings.heartbeat_seconds)
+    server, ticket = _join_a_pack(servers, cfg, _resume_step(tune.get_checkpoint()), settings.poll_seconds)
+    heartbeat = _Heartbeat(server, ticket, settings.heartbeat_seconds)
     try:
         while True:
-            for message in ray.get(server.next_messages.remote(trial_id, settings.poll_seconds)):
+            for message in ray.get(server.next_messages.remote(ticket, settings.poll_seconds)):
                 if message.kind == "failed":
-                    raise TrialFailed(f"Trial {trial_id!r} failed in pack {pack_id!r}: {message.reason}")
-                _report(message)  # raises SystemExit when Tune stops the trial
+                    raise TrialFailed(f"Trial {trial_id!r} failed: {message.reason}")
+                _report(message)  # raises SystemExit when Tune stops or pauses the trial
                 if message.kind == "finished":
                     return
     finally:  # finished, failed, or stopped by Tune: free the slot at the job's next step
         heartbeat.stop()
         try:
-            ray.get(server.leave.remote(trial_id), timeout=30)
-        except Exception:  # noqa: BLE001 - the lease drops it anyway
-            logger.warning("trial %s could not leave pack %s; its lease will expire", trial_id, pack_id)
+            ray.get(server.leave.remote(ticket), timeout=30)
+        except Exception:  # noqa: BLE001 - Tune's callback or the lease frees it anyway
+            logger.warning("trial %s could not leave its pack; its lease will expire", trial_id)
 
 
 def _join_a_pack(servers: list, cfg: TrialConfig, resume_step: int, poll_seconds: float) -> tuple[Any, str]:
-    """Register the trial with the least loaded pack server that admits it; wait while all are full."""
+    """Register the trial with the least loaded pack server that admits it; wait while all
+    are full. Returns the server and the ticket of this stay."""
     proxy = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
     while True:
         loads = ray.get([s.load.remote() for s in servers])
@@ -438,17 +464,17 @@ def _resume_step(checkpoint) -> int:
 
 
 class _Heartbeat:
-    """Renews a trial's lease from a background thread while the proxy lives, so time spent
+    """Renews a stay's lease from a background thread while the proxy lives, so time spent
     blocked in `tune.report` never counts as a dead proxy."""
 
-    def __init__(self, server, trial_id: str, every: float):
+    def __init__(self, server, ticket: str, every: float):
         self._stopped = threading.Event()
 
         def beat():
             while not self._stopped.wait(every):
-                server.heartbeat.remote(trial_id)
+                server.heartbeat.remote(ticket)
 
-        threading.Thread(target=beat, name=f"heartbeat-{trial_id}", daemon=True).start()
+        threading.Thread(target=beat, name=f"heartbeat-{ticket}", daemon=True).start()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -458,26 +484,33 @@ class _Heartbeat:
 
 
 class _LeaveWhenTuneIsDone(tune.Callback):
-    """Tells the pack servers the moment Tune stops a trial (ASHA, a stopper, an error).
+    """Drops a trial's adapter from its pack the moment Tune stops, pauses or fails it.
 
-    A proxy's `finally` does the same, but only when Tune finishes the proxy's thread, which
-    with `reuse_actors=True` may be much later (a stopped trial's actor waits in a cache).
-    This runs in Tune's driver right after the scheduler's decision.
+    A proxy's `finally` does the same, but only when Tune ends the proxy's thread, which
+    with `reuse_actors=True` may be much later: a stopped or paused trial's actor can wait
+    in Tune's cache, its thread blocked in `tune.report`. This runs in Tune's driver at
+    the end of every step of its loop.
     """
+
+    _REASONS = {"TERMINATED": "stopped", "PAUSED": "paused", "ERROR": "errored"}
 
     def __init__(self, server_names: tuple[str, ...]):
         self.server_names = server_names
+        self._dropped: set[str] = set()  # trials told about, until they run again (resumed)
 
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        self._leave(trial.trial_id, "stopped")  # a no-op for trials that finished their steps
+    def on_step_end(self, iteration, trials, **info):
+        for trial in trials:
+            reason = self._REASONS.get(trial.status)
+            if reason is None:
+                self._dropped.discard(trial.trial_id)
+            elif trial.trial_id not in self._dropped:
+                self._dropped.add(trial.trial_id)
+                self._drop(trial.trial_id, reason)
 
-    def on_trial_error(self, iteration, trials, trial, **info):
-        self._leave(trial.trial_id, "errored")
-
-    def _leave(self, trial_id: str, reason: str) -> None:
+    def _drop(self, trial_id: str, reason: str) -> None:
         try:
             servers = [ray.get_actor(name, namespace=NAMESPACE) for name in self.server_names]
-            ray.get([s.leave.remote(trial_id, reason) for s in servers], timeout=30)
+            ray.get([s.drop.remote(trial_id, reason) for s in servers], timeout=30)
         except Exception:  # noqa: BLE001 - the proxy's `finally` or the lease frees the slot
             logger.warning("could not tell the pack servers that trial %s is done", trial_id, exc_info=True)
 

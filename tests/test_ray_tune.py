@@ -16,7 +16,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray import tune  # noqa: E402
-from ray.tune.schedulers import ASHAScheduler, MedianStoppingRule  # noqa: E402
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule, TrialScheduler  # noqa: E402
 from ray.tune.search import Searcher  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -209,3 +209,37 @@ def test_a_dead_proxy_loses_its_slot(executor, tmp_path):
         time.sleep(0.5)
     assert [e["reason"] for e in leaves] == ["lease expired"]
     assert executor.stats()[0]["active"] == 0
+
+
+class PauseOnce(FIFOScheduler):
+    """Pauses every trial once, at its second report, as MedianStoppingRule and HyperBand do
+    when they yield a trial's resources to others; FIFO resumes it from its checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.paused = set()
+
+    def on_trial_result(self, tune_controller, trial, result):
+        if result["training_iteration"] == 2 and trial.trial_id not in self.paused:
+            self.paused.add(trial.trial_id)
+            return TrialScheduler.PAUSE
+        return TrialScheduler.CONTINUE
+
+
+def test_paused_trials_resume_where_tune_left_them(executor, spec, tmp_path):
+    """The engine cannot restore an adapter's optimizer yet, so the pack retrains a resumed
+    adapter from step 0 (deterministically) and Tune only sees the steps after its checkpoint."""
+    start = time.time()
+    scheduler = PauseOnce()
+    analysis = executor.run(config=trial(learning_rate=tune.grid_search([1e-2, 3e-3])), scheduler=scheduler,
+                            storage_path=str(tmp_path), verbose=0)
+    assert len(scheduler.paused) == 2
+    assert all(t.status == "TERMINATED" for t in analysis.trials)
+    resumes = [e for e in executor.history() if e["time"] > start and e["event"] == "join" and e["resume_step"]]
+    assert sorted(e["trial_id"] for e in resumes) == sorted(t.trial_id for t in analysis.trials)
+    assert all(e["resume_step"] == 10 for e in resumes)
+    for t in analysis.trials:
+        assert list(analysis.trial_dataframes[t.trial_id]["step"]) == [5, 10, 15, 20]  # none twice, none missing
+        job = PackedJob(spec, [ls.TrialConfig.from_dict(t.config)], progress=False)
+        alone = [e.metrics["eval_loss"] for e in job.run() if isinstance(e, Finished)]
+        assert math.isclose(t.last_result["eval_loss"], alone[0], rel_tol=1e-6)

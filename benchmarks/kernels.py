@@ -303,6 +303,7 @@ def section_lora(res, device):
     output, dS, dB, dA, dX LoRA term) vs the same matmuls adapter by adapter (fp32 adapters, as PEFT)."""
     from lora_sweep.kernels.lora_gemm import lora_gemm
     from lora_sweep.kernels.metadata import LoRABatchMeta
+    from lora_sweep.kernels.multi_lora import pack_adapters
     from lora_sweep.kernels.row_reduce import lora_row_reduce
     from lora_sweep.kernels.shrink import lora_shrink
 
@@ -321,16 +322,17 @@ def section_lora(res, device):
         def ours():
             meta = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
                                        p["seed"], in_f, out_f, x.device, cfg)  # per call, as in training
+            a_pack, bt_pack = pack_adapters(p["lora_a"], p["lora_b"], meta.ranks, x.dtype)
             s = torch.empty(tokens, meta.rank_stride, device=device, dtype=x.dtype)
-            lora_shrink(x, s, meta, lora_is_b=False, apply_scale=False, dropout=True)
-            lora_gemm(x, w, None, s, y, meta, forward=True, fused_base=False)
+            lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True)
+            lora_gemm(x, w, None, s, bt_pack, y, meta, forward=True, fused_base=False)
             ds = torch.empty_like(s)
-            lora_shrink(dy, ds, meta, lora_is_b=True, apply_scale=True, dropout=False)
+            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
             db = torch.empty(meta.db_numel, device=device)
             da = torch.empty(meta.da_numel, device=device)
             lora_row_reduce(dy, s, db, meta, out_is_b=True)
             lora_row_reduce(x, ds, da, meta, out_is_b=False)
-            lora_gemm(dy, w, None, ds, dx, meta, forward=False, fused_base=False)
+            lora_gemm(dy, w, None, ds, a_pack, dx, meta, forward=False, fused_base=False)
 
         xs = [x[i * LORA_ROWS : (i + 1) * LORA_ROWS].detach().requires_grad_(True) for i in range(n)]
         dys = [dy[i * LORA_ROWS : (i + 1) * LORA_ROWS] for i in range(n)]
@@ -350,6 +352,49 @@ def section_lora(res, device):
     res["lora_only"] = out_rows
 
 
+def section_profile(res, device):
+    """Where one fused fwd+bwd spends its time: per-kernel CUDA time (torch.profiler) and the
+    host time to enqueue it (if that exceeds the GPU time, the op is host-bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for in_f, out_f, tokens, n, kind in ((4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"),
+                                         (4096, 4096, 2048, 32, "16")):
+        if DRY:
+            in_f, out_f, tokens = 64, 48, 64
+        ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
+        p = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
+        y = m_fused(p)
+        dy = torch.randn_like(y)
+        for _ in range(3):
+            m_fused(p).backward(dy)
+        torch.cuda.synchronize() if not DRY else None
+        t = time.perf_counter()
+        for _ in range(10):
+            m_fused(p).backward(dy)
+        host_ms = (time.perf_counter() - t) * 100  # per call, enqueue only (no sync inside)
+        torch.cuda.synchronize() if not DRY else None
+        with profile(activities=[ProfilerActivity.CPU] + ([] if DRY else [ProfilerActivity.CUDA])) as prof:
+            for _ in range(5):
+                m_fused(p).backward(dy)
+            torch.cuda.synchronize() if not DRY else None
+        kernels = []
+        for e in prof.key_averages():
+            dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if dev_us and e.key and not e.key.startswith(("aten::", "autograd", "cuda", "Optimizer", "_Triton")):
+                kernels.append((dev_us / 5 / 1e3, e.count // 5, e.key[:60]))
+        kernels.sort(reverse=True)
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, host_enqueue_ms=host_ms,
+                   kernels=[dict(ms=k[0], calls=k[1], name=k[2]) for k in kernels[:14]],
+                   gpu_kernel_ms=sum(k[0] for k in kernels))
+        out.append(row)
+        print(f"profile {in_f}->{out_f} tok={tokens} n={n} r={kind}: host enqueue {host_ms:.3f} ms/call, "
+              f"GPU kernels {row['gpu_kernel_ms']:.3f} ms/call", flush=True)
+        for k in kernels[:14]:
+            print(f"   {k[0]:8.4f} ms  x{k[1]:<3d} {k[2]}", flush=True)
+    res["profile"] = out
+
+
 TUNE_GEMMS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 128, 64, 4, 4)]
 if DRY:
     TUNE_GEMMS = [(16, 32, 32, 4, 1), (32, 32, 32, 4, 1)]
@@ -357,8 +402,8 @@ if DRY:
 
 def section_tune(res, device, deadline):
     rows = res.setdefault("tune", [])
-    for in_f, out_f in SHAPES:
-        for tokens in TOKENS:
+    for in_f, out_f in SHAPES[:2]:
+        for tokens in TOKENS[-1:]:
             for n, kind in ((4, "16"), (32, "mixed")):
                 if time.time() > deadline:
                     continue
@@ -460,6 +505,8 @@ def main():
                 section_ceil(res, device)
             elif sec == "main":
                 section_main(res, device, deadline)
+            elif sec == "profile":
+                section_profile(res, device)
             elif sec == "lora":
                 section_lora(res, device)
             elif sec == "tune":

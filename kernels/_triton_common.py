@@ -10,19 +10,18 @@ import triton.language as tl
 
 @triton.jit
 def load_adapter(adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr):
-    """One adapter's row of the tables: (rank, seg_start, seed, keep_threshold, a_ptr (int),
-    b_ptr (int), scale, inv_keep). Column order matches metadata.ADAPTER_INT_COLS / _FLOAT_COLS."""
+    """One adapter's row of the tables: (rank, seg_start, seed, keep_threshold, r_offset, scale,
+    inv_keep). Column order matches metadata.ADAPTER_INT_COLS / _FLOAT_COLS."""
     base_i = adapters_i_ptr + adapter * N_INT_COLS
     base_f = adapters_f_ptr + adapter * N_FLOAT_COLS
     rank = tl.load(base_i + 0).to(tl.int32)
     seg_start = tl.load(base_i + 1).to(tl.int32)
     seed = tl.load(base_i + 2)
     threshold = tl.load(base_i + 3).to(tl.int32)
-    a_ptr = tl.load(base_i + 4)
-    b_ptr = tl.load(base_i + 5)
+    r_offset = tl.load(base_i + 4)
     scale = tl.load(base_f + 0)
     inv_keep = tl.load(base_f + 1)
-    return rank, seg_start, seed, threshold, a_ptr, b_ptr, scale, inv_keep
+    return rank, seg_start, seed, threshold, r_offset, scale, inv_keep
 
 
 @triton.jit

@@ -9,8 +9,8 @@ accumulates on top, so the output is written once (LoRAFusion's fused expand). W
 `FUSED_BASE=False` the base product is already in `out` (cuBLAS) and the kernel adds the
 LoRA term in place: one extra read and write of `out`, chosen per shape where cuBLAS wins.
 
-The LoRA MMAs run on the base operand's dtype (bf16 on GPU; S/dS are stored in it, the fp32
-adapter tiles are cast in registers) with fp32 accumulation. The rank loop steps over the tile's
+The LoRA MMAs run on the base operand's dtype (bf16 on GPU: S/dS are stored in it and the
+adapters are packed in it per call) with fp32 accumulation. The rank loop steps over the tile's
 own adapter's rank, so small ranks are not padded to the pack's largest one.
 """
 
@@ -34,11 +34,11 @@ def _lora_gemm_kernel(
     w_ptr,  # base right operand, element (k, n) at k * stride_wk + n * stride_wn
     bias_ptr,  # [N], read only if HAS_BIAS
     s_ptr,  # [M, rank_stride] in a's dtype: S (forward) or dS (backward)
+    lora_ptr,  # [R_total, N] packed adapters in a's dtype: B^T (forward) or A (backward); adapter i at row r_offset_i
     out_ptr,  # [M, N]: written (FUSED_BASE) or updated in place
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
-    lora_ref_ptr,  # any adapter tensor: its element type is the adapters' (their addresses are in the table)
     # sizes
     N,
     K,
@@ -50,7 +50,6 @@ def _lora_gemm_kernel(
     stride_sm,
     stride_om,
     # meta-parameters
-    LORA_IS_B: tl.constexpr,  # True: expand with B_i [N, rank] (forward); False: with A_i [rank, N] (backward)
     APPLY_SCALE: tl.constexpr,  # multiply the LoRA term by scale_i (forward)
     OUT_DROPOUT: tl.constexpr,  # mask the LoRA term with the adapter's dropout mask (backward)
     HAS_BIAS: tl.constexpr,
@@ -76,7 +75,7 @@ def _lora_gemm_kernel(
     adapter = tl.load(tiles_ptr + tile * 3).to(tl.int32)
     row_start = tl.load(tiles_ptr + tile * 3 + 1).to(tl.int32)
     row_end = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int32)
-    rank, seg_start, seed, threshold, a_addr, b_addr, scale, inv_keep = load_adapter(
+    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
 
     if not FUSED_BASE:
@@ -95,24 +94,16 @@ def _lora_gemm_kernel(
             keep = tl.full((BLOCK_M, BLOCK_N), 1, tl.int1)
             if threshold > 0:
                 keep = keep_mask(seed, (offs_m - seg_start).to(tl.int64), pid_n * BLOCK_N, N, threshold, BLOCK_N)
-        if LORA_IS_B:
-            lora_ptr = b_addr.to(tl.pointer_type(lora_ref_ptr.dtype.element_ty))
-            stride_lr = 1
-            stride_ln = rank
-        else:
-            lora_ptr = a_addr.to(tl.pointer_type(lora_ref_ptr.dtype.element_ty))
-            stride_lr = N
-            stride_ln = 1
         offs_r = tl.arange(0, BLOCK_R)
         s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :]
-        l_ptrs = lora_ptr + offs_r[:, None] * stride_lr + offs_n[None, :] * stride_ln
+        l_ptrs = lora_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :]  # (r, n) tile of the adapter's rows
         for r0 in tl.range(0, rank, BLOCK_R, num_stages=1):  # a few steps: not worth pipeline buffers
             r_mask = (r0 + offs_r) < rank
             st = tl.load(s_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
             lt = tl.load(l_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(st.to(a_ptr.dtype.element_ty), lt.to(a_ptr.dtype.element_ty), acc)
+            acc = tl.dot(st, lt, acc)
             s_ptrs += BLOCK_R
-            l_ptrs += BLOCK_R * stride_lr
+            l_ptrs += BLOCK_R * N
         if APPLY_SCALE:
             acc = acc * scale
         if OUT_DROPOUT:
@@ -151,12 +142,14 @@ def lora_gemm(
     w: torch.Tensor,  # [N, K] (w_transposed: x @ w^T, forward) or [K, N] (dY @ w, backward)
     bias: Optional[torch.Tensor],  # [N]
     s: torch.Tensor,  # [M, meta.rank_stride] in a's dtype: S or dS
+    lora_pack: torch.Tensor,  # [R_total, N] in a's dtype: packed B^T (forward) or A (backward)
     out: torch.Tensor,  # [M, N]: written, or (fused_base=False) already holding the base product
     meta: LoRABatchMeta,
     forward: bool,  # True: Y (B_i, scale, bias); False: dX (A_i, dropout mask)
     fused_base: bool,
 ) -> torch.Tensor:
-    assert a.is_contiguous() and out.stride(1) == 1 and a.dtype == w.dtype
+    assert a.is_contiguous() and out.stride(1) == 1 and a.dtype == w.dtype == lora_pack.dtype == s.dtype
+    assert lora_pack.is_contiguous() and lora_pack.shape[1] == out.shape[1]
     cfg = meta.config
     M, K = a.shape
     N = out.shape[1]
@@ -166,10 +159,9 @@ def lora_gemm(
     if grid[0] == 0 or (not fused_base and meta.max_rank == 0 and bias is None):
         return out
     _lora_gemm_kernel[grid](
-        a, w, bias if bias is not None else out, s, out, *meta.args(), meta.lora_ref,
+        a, w, bias if bias is not None else out, s, lora_pack, out, *meta.args(),
         N, K, meta.n_tiles,
         a.stride(0), stride_wk, stride_wn, s.stride(0), out.stride(0),
-        LORA_IS_B=forward,
         APPLY_SCALE=forward,
         OUT_DROPOUT=(not forward) and meta.has_dropout,
         HAS_BIAS=bias is not None,

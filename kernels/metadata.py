@@ -1,5 +1,9 @@
 """Per-microbatch metadata of the multi-LoRA kernels, built once per call on the host.
 
+The adapters themselves travel packed (`multi_lora.pack_adapters`): adapter i's rows start
+at `r_offset` in one [R_total, in] A and one [R_total, out] B^T, so the kernels read them
+with plain, aligned, vectorisable loads; the table holds offsets, never pointers.
+
 Tiles never span two adapters (LoRAFusion's tile-level routing): each adapter's segment is
 cut into tiles of `block_m` rows starting at its own first row, the last tile of a segment
 is partial, and every kernel reads from the tile table which adapter, rows, rank, scale,
@@ -20,7 +24,7 @@ import torch
 from .dropout import check_dropout_p, keep_threshold, normalize_seed
 
 # Columns of the per-adapter tables, in the order `_triton_common.load_adapter` reads them.
-ADAPTER_INT_COLS = ("rank", "seg_start", "seed", "keep_threshold", "a_ptr", "b_ptr",
+ADAPTER_INT_COLS = ("rank", "seg_start", "seed", "keep_threshold", "r_offset",
                     "da_offset", "db_offset", "chunk_first", "chunk_count")
 ADAPTER_FLOAT_COLS = ("scale", "inv_keep")
 TILE_COLS = ("adapter", "row_start", "row_end")
@@ -74,9 +78,12 @@ def kernel_config(tokens_bucket: int, rows_per_adapter_bucket: int, in_features:
         return INTERPRET_CONFIG
     block_r = rank_blocks(max(max_rank, 1))[0]
     small = rows_per_adapter_bucket <= 256
+    # Measured (H200, run 1 of KERNELS_NOTES.md): cuBLAS for the base GEMMs plus the LoRA term
+    # added in place beat the Triton base GEMM at every benchmark shape of >= 2048 tokens but
+    # one, so the fused Triton GEMM (fused_base=True, 128x256x64, 8 warps, 3 stages) is opt-in.
     return KernelConfig(
         block_m=64 if small else 128,
-        gemm_block_n=256, gemm_block_k=64, gemm_warps=8, gemm_stages=3,
+        gemm_block_n=128, gemm_block_k=64, gemm_warps=4, gemm_stages=3, fused_base=False,
         shrink_block_m=64, shrink_block_k=64, shrink_warps=4 if block_r <= 64 else 8,
         reduce_block_m=64, reduce_block_n=128 if block_r <= 32 else 64, reduce_warps=4,
         chunk_rows=1024,
@@ -119,7 +126,7 @@ class LoRABatchMeta:
     da_numel: int
     db_numel: int
     ranks: tuple[int, ...]
-    lora_ref: torch.Tensor  # an adapter tensor (or a 1-element fp32 stand-in): the adapters' dtype for the kernels
+    r_total: int  # rows of the packed adapters: sum of the ranks of adapters with rows
     config: KernelConfig
 
     def args(self) -> tuple:
@@ -153,17 +160,16 @@ class LoRABatchMeta:
             tuple(int(s) for s in seg_lens), tuple(r > 0 for r in ranks), bm, chunk_rows, torch.device(device))
 
         rows_i, rows_f = [], []
-        start = da_off = db_off = 0
+        start = da_off = db_off = r_offset = 0
         for i, (rows, rank) in enumerate(zip(seg_lens, ranks)):
             p = check_dropout_p(dropout_p[i]) if rank else 0.0
-            a, b = lora_a[i], lora_b[i]
-            rows_i.append((rank, start, normalize_seed(seeds[i]), keep_threshold(p),
-                           a.data_ptr() if rank else 0, b.data_ptr() if rank else 0,
+            rows_i.append((rank, start, normalize_seed(seeds[i]), keep_threshold(p), r_offset,
                            da_off, db_off, chunk_first[i], chunk_count[i]))
             rows_f.append((float(scales[i]), 1.0 / (1.0 - p)))
-            if rank:  # an adapter with no rows gets no gradient (None), as in the reference
-                da_off += a.numel()
-                db_off += b.numel()
+            # an adapter with no rows is not packed and gets no gradient (None), as in the reference
+            r_offset += rank
+            da_off += rank * in_features
+            db_off += rank * out_features
             start += rows
 
         return LoRABatchMeta(
@@ -182,8 +188,7 @@ class LoRABatchMeta:
             da_numel=da_off,
             db_numel=db_off,
             ranks=ranks,
-            lora_ref=next((a for a in lora_a if a is not None), None)
-            if any(a is not None for a in lora_a) else torch.zeros(1, device=device),
+            r_total=r_offset,
             config=config,
         )
 

@@ -73,7 +73,7 @@ def _row_reduce_kernel(
     adapter = tl.load(chunks_ptr + chunk * 3).to(tl.int32)
     row_start = tl.load(chunks_ptr + chunk * 3 + 1).to(tl.int32)
     row_end = tl.load(chunks_ptr + chunk * 3 + 2).to(tl.int32)
-    rank, seg_start, seed, threshold, a_addr, b_addr, scale, inv_keep = load_adapter(
+    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     r0 = pid_r * BLOCK_R
     if r0 >= rank:
@@ -134,7 +134,7 @@ def _chunk_sum_kernel(
     adapter = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_r = tl.program_id(2)
-    rank, seg_start, seed, threshold, a_addr, b_addr, scale, inv_keep = load_adapter(
+    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     r0 = pid_r * BLOCK_R
     if r0 >= rank:

@@ -1,5 +1,9 @@
 """Segmented shrink: each tile's rows times its own adapter's low-rank matrix.
 
+The adapters come packed per call (`multi_lora.pack_adapters`): A_i stacked into one
+[R_total, in] matrix and B_i^T into one [R_total, out], in x's dtype, adapter i at row
+r_offset_i. Both shrinks read the same layout: row r_offset_i + r, column k.
+
 Forward, S = dropout(x) @ A_i^T ([tokens, rank], LoRAFusion's split point): the dropout
 mask is regenerated from the adapter's seed in registers, so the dropped x never exists.
 Backward, dS = scale_i * dY @ B_i ([tokens, rank]). Both read the big operand (x or dY)
@@ -25,18 +29,17 @@ from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 def _shrink_kernel(
     # pointers
     x_ptr,  # [M, K] rows: x (forward) or dY (backward)
+    lora_ptr,  # [R_total, K] packed adapters in x's dtype: A (forward) or B^T (backward); adapter i at row r_offset_i
     out_ptr,  # [M, rank_stride] in x's dtype: S or dS
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
-    lora_ref_ptr,  # any adapter tensor: its element type is the adapters' (their addresses are in the table)
     # sizes
     K,
     # strides
     stride_xm,
     stride_om,
     # meta-parameters
-    LORA_IS_B: tl.constexpr,  # False: contract with A_i [rank, K]; True: with B_i [K, rank]
     APPLY_SCALE: tl.constexpr,  # multiply by the adapter's scale (dS)
     HAS_DROPOUT: tl.constexpr,  # some adapter has p > 0: draw the mask on x (S)
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
@@ -51,20 +54,11 @@ def _shrink_kernel(
     pid_r = tl.program_id(2)
     adapter = tl.load(tiles_ptr + tile * 3).to(tl.int32)
     row_end = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int32)
-    rank, seg_start, seed, threshold, a_addr, b_addr, scale, inv_keep = load_adapter(
+    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     r0 = pid_r * BLOCK_R
     if r0 >= rank or row_start >= row_end:  # no LoRA here, rank block past its rank, or sub-tile past the segment
         return
-
-    if LORA_IS_B:
-        lora_ptr = b_addr.to(tl.pointer_type(lora_ref_ptr.dtype.element_ty))
-        stride_lk = rank
-        stride_lr = 1
-    else:
-        lora_ptr = a_addr.to(tl.pointer_type(lora_ref_ptr.dtype.element_ty))
-        stride_lk = 1
-        stride_lr = K
 
     offs_m = row_start + tl.arange(0, BLOCK_M)
     offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -72,7 +66,7 @@ def _shrink_kernel(
     m_mask = offs_m < row_end
     r_mask = offs_r < rank
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    l_ptrs = lora_ptr + offs_k[:, None] * stride_lk + offs_r[None, :] * stride_lr
+    l_ptrs = lora_ptr + (r_offset + offs_r)[None, :] * K + offs_k[:, None]  # (k, r) tile of the adapter's rows
     seg_rows = (offs_m - seg_start).to(tl.int64)  # rows within the adapter's segment: dropout counters
 
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -88,9 +82,9 @@ def _shrink_kernel(
             if threshold > 0:
                 keep = keep_mask(seed, seg_rows, k0, K, threshold, BLOCK_K)
                 xt = tl.where(keep, xt, tl.zeros_like(xt))
-        acc = tl.dot(xt, lt.to(xt.dtype), acc)
+        acc = tl.dot(xt, lt, acc)
         x_ptrs += BLOCK_K
-        l_ptrs += BLOCK_K * stride_lk
+        l_ptrs += BLOCK_K
 
     if HAS_DROPOUT:
         acc = acc * inv_keep  # 1 / (1 - p); 1 for p == 0
@@ -102,14 +96,15 @@ def _shrink_kernel(
 
 def lora_shrink(
     x: torch.Tensor,  # [M, K], contiguous
+    lora_pack: torch.Tensor,  # [R_total, K] in x's dtype: packed A (S) or B^T (dS)
     out: torch.Tensor,  # [M, meta.rank_stride], x's dtype
     meta: LoRABatchMeta,
-    lora_is_b: bool,
     apply_scale: bool,
     dropout: bool,
 ) -> torch.Tensor:
     """Launch the shrink over every tile of `meta`; rows of adapters without LoRA are left unwritten."""
-    assert x.is_contiguous() and out.shape == (x.shape[0], meta.rank_stride)
+    assert x.is_contiguous() and lora_pack.is_contiguous() and out.shape == (x.shape[0], meta.rank_stride)
+    assert lora_pack.dtype == x.dtype and lora_pack.shape[1] == x.shape[1]
     cfg = meta.config
     split_m = cfg.block_m // cfg.shrink_block_m  # smaller row blocks: more programs in flight
     grid = (meta.n_tiles, split_m, triton.cdiv(meta.max_rank, meta.block_r))
@@ -117,10 +112,9 @@ def lora_shrink(
         return out
     K = x.shape[1]
     _shrink_kernel[grid](
-        x, out, *meta.args(), meta.lora_ref,
+        x, lora_pack, out, *meta.args(),
         K,
         x.stride(0), out.stride(0),
-        LORA_IS_B=lora_is_b,
         APPLY_SCALE=apply_scale,
         HAS_DROPOUT=dropout and meta.has_dropout,
         EVEN_K=K % cfg.shrink_block_k == 0,

@@ -33,6 +33,7 @@ from lora_sweep.kernels._triton_common import keep_mask  # noqa: E402
 from lora_sweep.kernels.dropout import keep_threshold, philox_randint4x  # noqa: E402
 from lora_sweep.kernels.lora_gemm import lora_gemm, reference_lora_gemm  # noqa: E402
 from lora_sweep.kernels.metadata import INTERPRET_CONFIG, LoRABatchMeta  # noqa: E402
+from lora_sweep.kernels.multi_lora import pack_adapters  # noqa: E402
 from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
 from lora_sweep.kernels.shrink import lora_shrink, reference_lora_shrink  # noqa: E402
 
@@ -242,24 +243,26 @@ def test_each_kernel_matches_its_reference(config):
     meta = _meta(case, CONFIGS[config])
     ranks = [0 if a is None else a.shape[0] for a in lora_a]
     rows_with_lora = torch.cat([torch.full((n,), r > 0) for n, r in zip(seg_lens, ranks)])
+    a_pack, bt_pack = pack_adapters(lora_a, lora_b, meta.ranks, x.dtype)
+    assert a_pack.shape == (meta.r_total, x.shape[1]) and bt_pack.shape == (meta.r_total, weight.shape[0])
 
     s = torch.zeros(x.shape[0], meta.rank_stride)
-    lora_shrink(x, s, meta, lora_is_b=False, apply_scale=False, dropout=True)
+    lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True)
     s_ref = reference_lora_shrink(x, lora_a, seg_lens, False, dropout_p=dropout_p, seeds=seeds)
     assert_close(s[:, : s_ref.shape[1]][rows_with_lora], s_ref[rows_with_lora], what="shrink S")
 
     dy = torch.randn(x.shape[0], weight.shape[0])
     ds = torch.zeros_like(s)
-    lora_shrink(dy, ds, meta, lora_is_b=True, apply_scale=True, dropout=False)
+    lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
     ds_ref = reference_lora_shrink(dy, lora_b, seg_lens, True, scales=scales)
     assert_close(ds[:, : ds_ref.shape[1]][rows_with_lora], ds_ref[rows_with_lora], what="shrink dS")
 
     y = torch.empty(x.shape[0], weight.shape[0])
-    lora_gemm(x, weight, bias, s, y, meta, forward=True, fused_base=True)
+    lora_gemm(x, weight, bias, s, bt_pack, y, meta, forward=True, fused_base=True)
     y_ref = reference_lora_gemm(x, weight, bias, s, lora_b, seg_lens, True, scales, dropout_p, seeds)
     assert_close(y, y_ref, what="gemm forward")
     dx = torch.empty_like(x)
-    lora_gemm(dy, weight, None, ds, dx, meta, forward=False, fused_base=True)
+    lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=True)
     dx_ref = reference_lora_gemm(dy, weight, None, ds, lora_a, seg_lens, False, scales, dropout_p, seeds)
     assert_close(dx, dx_ref, what="gemm backward")
 

@@ -192,10 +192,12 @@ class JobSpec:
     checkpoint_every: Optional[int] = field(
         default=None, metadata={"help": "Checkpoint each adapter every this many of its steps (and on "
                                 "SIGTERM) under output_dir/checkpoints; a restart resumes from there."})
-    padding: Literal["auto", "longest", "max_seq_len"] = field(
+    padding: Literal["auto", "packed", "longest", "max_seq_len"] = field(
         default="auto",
-        metadata={"help": "Pad each microbatch to its longest sample, or to max_seq_len so that an adapter's "
-                  "arithmetic does not depend on its pack-mates bit for bit; auto: max_seq_len on CPU."},
+        metadata={"help": "packed: samples back to back in rows of max_seq_len (no padding waste); longest / "
+                  "max_seq_len: one row per sample, padded to the microbatch's longest sample or to max_seq_len "
+                  "(then an adapter's arithmetic does not depend on its pack-mates, bit for bit). "
+                  "auto: packed on CUDA, max_seq_len elsewhere."},
     )
 
     def __post_init__(self):
@@ -217,8 +219,8 @@ class JobSpec:
             _check_int(None, "max_tokens_per_microbatch", self.max_tokens_per_microbatch, 1)
         if self.checkpoint_every is not None:
             _check_int(None, "checkpoint_every", self.checkpoint_every, 1)
-        if self.padding not in ("auto", "longest", "max_seq_len"):
-            raise _fail(None, "padding", self.padding, "one of auto, longest, max_seq_len")
+        if self.padding not in ("auto", "packed", "longest", "max_seq_len"):
+            raise _fail(None, "padding", self.padding, "one of auto, packed, longest, max_seq_len")
         _check_int(None, "eval_every", self.eval_every, 1)
         _check_int(None, "eval_batch_size", self.eval_batch_size, 1)
         if self.max_eval_samples is not None:

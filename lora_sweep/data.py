@@ -150,21 +150,67 @@ class SampleStream:
         self._order = self._permutation(self.epoch)
 
 
-def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device, length: int | None = None) -> dict[str, torch.Tensor]:
-    """One padded microbatch: each group's samples in consecutive rows, in group order.
-    Right padding, so a row's real tokens never see padding under causal attention.
-    `length` fixes the padded length; None pads to the longest sample."""
-    rows = [s for group in groups for s in group]
-    length = length or max(len(s) for s in rows)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, s in enumerate(rows):
-        input_ids[i, : len(s)] = torch.tensor(s.input_ids)
-        labels[i, : len(s)] = torch.tensor(s.labels)
-        attention_mask[i, : len(s)] = 1
-    # Flat positions of [rows, length - 1] whose next token carries a label, found on the host
-    # so that selecting them on the GPU needs no sync.
-    keep_index = (labels[:, 1:].reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
-    return {"input_ids": input_ids.to(device), "labels": labels.to(device),
-            "attention_mask": attention_mask.to(device), "keep_index": keep_index.to(device)}
+def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device, length: int | None = None,
+            packed_row: int | None = None) -> dict:
+    """One microbatch: the groups' samples in group order (an adapter's tokens stay contiguous).
+
+    Two layouts:
+
+    * padded (`packed_row` None): one row per sample, right-padded to `length` (None: the
+      longest sample). Right padding, so real tokens never see padding under causal attention.
+    * packed (`packed_row=R`): samples back to back in rows of R tokens, a sample never split
+      across rows, each row's tail padded. Position ids restart at every sample and no attention
+      mask is passed, so transformers' attention keeps samples apart (its packed-sequence mask).
+
+    Returns the model inputs (`input_ids`, and `attention_mask` and HF-style unshifted `labels`,
+    or `position_ids`), `targets`
+    (the next token's label within the same sample, -100 elsewhere), `keep_index` (flat
+    positions with a target, found on the host so that selecting them on a GPU needs no sync)
+    and `seg_tokens` (each group's tokens, the padding that follows its samples included).
+    """
+    ids, targets, positions, seg_tokens, labels = [], [], [], [], []
+    if packed_row is None:
+        length = length or max(len(s) for g in groups for s in g)
+        for group in groups:
+            for s in group:
+                pad = length - len(s)
+                ids.append(list(s.input_ids) + [pad_id] * pad)
+                labels.append(list(s.labels) + [IGNORE_INDEX] * pad)
+                targets.append(list(s.labels[1:]) + [IGNORE_INDEX] * (pad + 1))
+                positions.append([1] * len(s) + [0] * pad)  # the attention mask
+            seg_tokens.append(len(group) * length)
+    else:
+        row_ids, row_targets, row_pos, owner = [], [], [], 0
+
+        def close_row():
+            pad = packed_row - len(row_ids)
+            ids.append(row_ids + [pad_id] * pad)
+            targets.append(row_targets + [IGNORE_INDEX] * pad)
+            positions.append(row_pos + list(range(pad)))
+            seg_tokens[owner] += pad  # the row's padding counts with its last sample's group
+
+        for g, group in enumerate(groups):
+            seg_tokens.append(0)
+            for s in group:
+                if row_ids and len(row_ids) + len(s) > packed_row:
+                    close_row()
+                    row_ids, row_targets, row_pos = [], [], []
+                row_ids += s.input_ids
+                row_targets += list(s.labels[1:]) + [IGNORE_INDEX]
+                row_pos += range(len(s))
+                seg_tokens[g] += len(s)
+                owner = g
+        close_row()
+    targets_t = torch.tensor(targets, dtype=torch.long)
+    batch = {
+        "input_ids": torch.tensor(ids, dtype=torch.long).to(device),
+        "targets": targets_t.to(device),
+        "keep_index": (targets_t.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1).to(device),
+        "seg_tokens": seg_tokens,
+    }
+    if packed_row is None:
+        batch["attention_mask"] = torch.tensor(positions, dtype=torch.long).to(device)
+        batch["labels"] = torch.tensor(labels, dtype=torch.long).to(device)  # unshifted, as HF models take them
+    else:
+        batch["position_ids"] = torch.tensor(positions, dtype=torch.long).to(device)
+    return batch

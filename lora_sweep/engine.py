@@ -163,10 +163,13 @@ class PackedJob:
         self.segments = SegmentTable()
         self.layers = inject_multi_lora(self.model, spec.target_modules, self.segments)
         self.body, self.lm_head_weight = split_causal_lm(self.model)
-        # Padded length: fixed on CPU so that backward reductions over the sequence run in the same
-        # order whoever the pack-mates are (bit-identical isolation); the longest sample on GPU.
-        fixed = spec.padding == "max_seq_len" or (spec.padding == "auto" and self.device.type == "cpu")
-        self.pad_length = spec.max_seq_len if fixed else None
+        # Microbatch layout. On CUDA samples are packed back to back (no padding waste). On CPU
+        # each sample gets a row padded to max_seq_len: then the backward's reductions over the
+        # sequence run in the same order whoever the pack-mates are (bit-identical isolation).
+        padding = spec.padding if spec.padding != "auto" else ("packed" if self.device.type == "cuda"
+                                                               else "max_seq_len")
+        self.pad_length = spec.max_seq_len if padding == "max_seq_len" else None
+        self.packed_row = spec.max_seq_len if padding == "packed" else None
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:  # documented: the EOS token pads; padding is masked anyway
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
@@ -466,8 +469,16 @@ class PackedJob:
         return sums, grads
 
     def _padded_tokens(self, parts) -> int:
-        rows = [s for _, samples in parts for s in samples]
-        return len(rows) * (self.pad_length or max(len(s) for s in rows))
+        """Tokens the model computes for these samples, padding included, in this job's layout."""
+        lengths = [len(s) for _, samples in parts for s in samples]
+        if self.packed_row is None:
+            return len(lengths) * (self.pad_length or max(lengths))
+        rows, used = 1, 0  # the next-fit rows of `collate`
+        for n in lengths:
+            if used and used + n > self.packed_row:
+                rows, used = rows + 1, 0
+            used += n
+        return rows * self.packed_row
 
     def _microbatches(self, groups: list[list[Sample]]) -> list[list[tuple[int, list[Sample]]]]:
         """Split a step's samples into microbatches of at most `microbatch_tokens` padded tokens.
@@ -478,10 +489,10 @@ class PackedJob:
             return everything
         from .planner import pack_microbatches  # the planner (cvxpy) loads only when a cap is hit
 
-        length = self.pad_length or max(len(s) for g in groups for s in g)
+        length = self.pad_length or self.packed_row or max(len(s) for g in groups for s in g)
         per_item = max(1, self.microbatch_tokens // length)
         items = [(i, g[k:k + per_item]) for i, g in enumerate(groups) for k in range(0, len(g), per_item)]
-        bins = pack_microbatches([len(samples) * length for _, samples in items], self.microbatch_tokens,
+        bins = pack_microbatches([self._padded_tokens([item]) for item in items], self.microbatch_tokens,
                                  time_limit=0.2)
         plan = []
         for b in bins:  # keep job order inside a microbatch; a split adapter's runs stay in order
@@ -497,15 +508,16 @@ class PackedJob:
     def _adapter_losses(self, adapters: list[_Adapter], groups: list[list[Sample]], train: bool):
         """Per-adapter (sum of token losses, number of loss tokens) of one microbatch, with the
         LM head and cross-entropy computed in row chunks instead of full logits."""
-        batch = collate(groups, self.pad_id, self.device, self.pad_length)
+        batch = collate(groups, self.pad_id, self.device, self.pad_length, self.packed_row)
         # The table stays set until the caller's backward is done: gradient checkpointing
         # recomputes the layers' forward inside the backward and must see the same adapters.
-        self.segments.set([a.key for a in adapters], [len(g) for g in groups],
+        self.segments.set([a.key for a in adapters], batch["seg_tokens"],
                           [a.micro_steps for a in adapters] if train else None)
-        hidden = self.body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        # position t predicts token t + 1; keep only positions with a label, adapter by adapter
-        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, batch["keep_index"])
-        targets = batch["labels"][:, 1:].reshape(-1).index_select(0, batch["keep_index"])
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        hidden = self.body(**inputs, use_cache=False).last_hidden_state
+        # keep only positions whose next token carries a label, adapter by adapter
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["keep_index"])
+        targets = batch["targets"].reshape(-1).index_select(0, batch["keep_index"])
         seg_lens = [sum(s.loss_tokens for s in g) for g in groups]
         return per_adapter_lm_loss(hidden, self.lm_head_weight, targets, seg_lens)
 
@@ -610,7 +622,7 @@ class PackedJob:
     def adapter_logits(self, trial_id: str, input_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
         """Logits of the base model with adapter `trial_id` on every row (eval mode)."""
         self.model.eval()
-        self.segments.set([self.active[trial_id].key], [input_ids.shape[0]])
+        self.segments.set([self.active[trial_id].key], [input_ids.numel()])
         try:
             return self.model(input_ids=input_ids.to(self.device), attention_mask=None if attention_mask is None
                               else attention_mask.to(self.device)).logits

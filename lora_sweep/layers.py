@@ -18,17 +18,17 @@ from .kernels import multi_lora_linear
 
 @dataclass
 class SegmentTable:
-    """Row layout of the current microbatch: adapter `names[i]` owns `samples[i]` consecutive
-    samples (rows of the [batch, seq] input). Its dropout masks are seeded by its own
-    micro-step count `steps[i]` and the layer index, so they do not depend on pack-mates.
-    An empty table means "no adapters": layers then compute the base output only."""
+    """Row layout of the current microbatch: adapter `names[i]` owns the next `tokens[i]`
+    rows of the flattened [batch * seq, features] input. Its dropout masks are seeded by
+    its own micro-step count `steps[i]` and the layer index, so they do not depend on
+    pack-mates. An empty table means "no adapters": layers compute the base output only."""
 
     names: list[str] = field(default_factory=list)
-    samples: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
 
-    def set(self, names, samples, steps=None) -> None:
-        self.names, self.samples = list(names), [int(s) for s in samples]
+    def set(self, names, tokens, steps=None) -> None:
+        self.names, self.tokens = list(names), [int(t) for t in tokens]
         self.steps = [int(s) for s in steps] if steps is not None else [0] * len(self.names)
 
     def clear(self) -> None:
@@ -102,18 +102,16 @@ class MultiLoRALinear(nn.Module):
         if not table.names:
             return self.base_layer(x)
         lead, flat = x.shape[:-1], x.reshape(-1, self.in_features)  # (tokens, in)
-        rows_per_sample = flat.shape[0] // sum(table.samples)
-        lora_a, lora_b, scales, dropout_p, seeds, seg_lens = [], [], [], [], [], []
-        for name, n, step in zip(table.names, table.samples, table.steps):
+        lora_a, lora_b, scales, dropout_p, seeds = [], [], [], [], []
+        for name, step in zip(table.names, table.steps):
             has = name in self.lora_A
             lora_a.append(self.lora_A[name].weight if has else None)
             lora_b.append(self.lora_B[name].weight if has else None)
             scales.append(self.scaling.get(name, 0.0))
             dropout_p.append(self.lora_dropout.get(name, 0.0) if self.training else 0.0)
             seeds.append(mix_seed(self.seed.get(name, 0), self.layer_index, step))
-            seg_lens.append(n * rows_per_sample)
         out = multi_lora_linear(flat, self.base_layer.weight, self.base_layer.bias,
-                                lora_a, lora_b, scales, dropout_p, seg_lens, seeds)
+                                lora_a, lora_b, scales, dropout_p, table.tokens, seeds)
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

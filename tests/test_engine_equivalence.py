@@ -57,10 +57,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama_dir", "tiny_qwen_dir"])
-def test_packed_equals_peft_alone(arch, request, toy_data, tmp_path):
+@pytest.mark.parametrize("arch,padding", [("tiny_llama_dir", "max_seq_len"), ("tiny_qwen_dir", "max_seq_len"),
+                                          ("tiny_llama_dir", "packed")])
+def test_packed_equals_peft_alone(arch, padding, request, toy_data, tmp_path):
+    """`padding="packed"` puts several samples in a row (position ids restart per sample):
+    the adapters must still train exactly as alone with one padded row per sample."""
     model_dir = request.getfixturevalue(arch)
-    job = PackedJob(make_spec(model_dir, toy_data, tmp_path), four_trials(), progress=False)
+    job = PackedJob(make_spec(model_dir, toy_data, tmp_path, padding=padding), four_trials(), progress=False)
     for t in job.trials:  # the packed job's own initial adapters seed the references
         job.save_adapter(t, str(tmp_path / "init" / t))
     packed = run_packed(job)

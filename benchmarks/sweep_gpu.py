@@ -20,6 +20,7 @@ left out of every timing (random weights would flatter a load time).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -250,6 +251,160 @@ def kernels(model_name, seq, n, peak, warmup, steps, log) -> dict:
     return {"model": model_name, "seq": seq, "adapters": n, **out}
 
 
+def table1_configs(n: int, steps: int, seed: int = 0) -> list[ls.TrialConfig]:
+    """`n` configs of PLoRA's Table 1 space with a fixed step budget each."""
+    from lora_sweep.space import random_configs
+
+    configs = random_configs(n=n, seed=seed, defaults={"max_steps": steps, "dropout": 0.05})
+    for i, c in enumerate(configs):
+        c.trial_id = f"c{i}"
+    return configs
+
+
+def makespan(model_name, seq, steps, log, microbatch_tokens) -> dict:
+    """Predicted makespan of 120 Table-1 configs packed and one at a time, from cost models
+    calibrated on this GPU, and a measured 16-config subset both ways."""
+    from lora_sweep.costmodel import CostModel, calibrate, detect, profile_job
+    from lora_sweep.planner import plan
+
+    model = build_model(model_name)
+    rows = synthetic_rows(512, seq, seed=3)
+    configs = table1_configs(120, steps)
+    subset = configs[:16]
+    spec = spec_for(model, rows, seq, max_tokens_per_microbatch=microbatch_tokens)
+    base_cm = CostModel.from_model(PRESETS[model_name], gpu=detect(), max_seq_len=seq, dtype="bfloat16")
+
+    # calibrate the packed engine from profiled steps of a varied job (PLoRA profiles 10)
+    probe = [ls.TrialConfig(rank=r, alpha=2 * r, batch_size=b, max_steps=10**6, trial_id=f"p{i}")
+             for i, (r, b) in enumerate([(8, 1), (16, 4), (32, 8), (64, 2), (128, 16), (16, 32)])]
+    stats = []
+    for k in range(1, len(probe) + 1, 2):
+        job = ls.PackedJob(spec, probe[:k], progress=False)
+        stats += profile_job(job, steps=4, warmup=2)
+        del job
+        strip_adapters(model)
+    packed_cm = calibrate(base_cm, stats)
+
+    # calibrate one-trial-at-a-time PEFT from its own steps
+    peft_stats = []
+    for cfg in probe[:4]:
+        r = time_peft(model, dataclasses.replace(cfg, max_steps=10**6), rows, seq, 2, 4)
+        peft_stats.append({"tokens": r["tokens_per_step"], "padded_tokens": r["tokens_per_step"],
+                           "rank_tokens": cfg.rank * r["tokens_per_step"], "num_adapters": 1,
+                           "rank_sum": cfg.rank, "seconds": r["median_step_s"], "peak_memory_bytes": None})
+    peft_cm = calibrate(base_cm, peft_stats)
+
+    predicted = {
+        "packed_120": plan(PRESETS[model_name], configs, num_gpus=1, cost_model=packed_cm).makespan,
+        "peft_120": sum(peft_cm.job_seconds([c]) for c in configs),
+        "packed_16": plan(PRESETS[model_name], subset, num_gpus=1, cost_model=packed_cm).makespan,
+        "peft_16": sum(peft_cm.job_seconds([c]) for c in subset),
+    }
+    log(f"predicted: 120 configs packed {predicted['packed_120']:.0f} s vs PEFT {predicted['peft_120']:.0f} s")
+
+    # measured: the subset's plan run job after job, and the subset one trial at a time with PEFT
+    subset_plan = plan(PRESETS[model_name], subset, num_gpus=1, cost_model=packed_cm)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for planned in subset_plan.jobs:
+        job = ls.PackedJob(spec, [dataclasses.replace(t) for t in planned.trials], progress=False)
+        for _ in job.run():
+            pass
+        del job
+        strip_adapters(model)
+    torch.cuda.synchronize()
+    measured_packed = time.perf_counter() - t0
+    job = ls.PackedJob(spec_for(model, rows, seq), [], progress=False)
+    samples, pad_id = job.train_samples, job.pad_id
+    del job
+    strip_adapters(model)
+    t0 = time.perf_counter()
+    for cfg in subset:
+        peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
+        train_alone_with_peft(peft_model, cfg, samples, pad_id, device="cuda")
+        peft_model.unload()
+    torch.cuda.synchronize()
+    measured_peft = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    result = {"model": model_name, "seq": seq, "steps": steps, "predicted": predicted,
+              "measured": {"packed_16": measured_packed, "peft_16": measured_peft},
+              "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1,
+                                   "peft_16": predicted["peft_16"] / measured_peft - 1},
+              "ratio": {"predicted_120": predicted["peft_120"] / predicted["packed_120"],
+                        "measured_16": measured_peft / measured_packed},
+              "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs],
+              "calibration": {"packed": packed_cm.calibration.describe(), "peft": peft_cm.calibration.describe()}}
+    log(f"16 configs: packed {measured_packed:.1f} s (predicted {predicted['packed_16']:.1f}), "
+        f"PEFT {measured_peft:.1f} s (predicted {predicted['peft_16']:.1f}), ratio {result['ratio']['measured_16']:.2f}x")
+    return result
+
+
+def overhead(model_name, seq, steps, log) -> dict:
+    """The same 16 configs through PackedLoRASampler and through PackedJob directly."""
+    import optuna
+
+    from lora_sweep.integrations.optuna import PackedLoRASampler
+
+    model = build_model(model_name)
+    rows = synthetic_rows(512, seq, seed=4)
+    configs = table1_configs(16, steps, seed=1)
+    spec = spec_for(model, rows, seq, eval_data=rows[:32])
+    spec.eval_every = max(1, steps // 2)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    job = ls.PackedJob(spec, [dataclasses.replace(c) for c in configs], progress=False)
+    for _ in job.run():
+        pass
+    torch.cuda.synchronize()
+    direct = time.perf_counter() - t0
+    del job
+    strip_adapters(model)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="minimize")
+    sampler = PackedLoRASampler(study, spec, search_space=lambda trial: dataclasses.replace(configs[trial.number]),
+                                max_concurrent=16)
+    t0 = time.perf_counter()
+    sampler.optimize(n_trials=16, show_progress_bar=False)
+    torch.cuda.synchronize()
+    tuned = time.perf_counter() - t0
+    done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    del sampler, study
+    strip_adapters(model)
+    del model
+    torch.cuda.empty_cache()
+    result = {"model": model_name, "seq": seq, "steps": steps, "direct_s": direct, "optuna_s": tuned,
+              "overhead": tuned / direct - 1, "optuna_complete": done}
+    log(f"16 configs direct {direct:.1f} s, through PackedLoRASampler {tuned:.1f} s: overhead {result['overhead']:.1%}")
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    """Tokens/s against the number of packed adapters, one line per model, sequence and ranks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.get("throughput", [])
+    keys = sorted({(r["model"], r["seq"], r["batch"], r["ranks"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in keys:
+        pts = sorted((r["adapters"], r["tokens_per_s"]) for r in rows if (r["model"], r["seq"], r["batch"],
+                                                                          r["ranks"]) == key)
+        line, = ax.plot(*zip(*pts), marker="o", label=f"{key[0]} seq {key[1]} b{key[2]} r={key[3]}")
+        solo = next(r["solo_tokens_per_s"] for r in rows if (r["model"], r["seq"], r["batch"], r["ranks"]) == key)
+        ax.axhline(solo, color=line.get_color(), linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("adapters packed in one job")
+    ax.set_ylabel("tokens / s (dotted: one adapter alone with PEFT)")
+    ax.set_title(f"lora_sweep packed jobs, {result['gpu']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def profile(model_name, seq, n, batch, log, out_dir) -> str:
     """Where a packed step's time goes: torch profiler table of the top CUDA ops."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -291,7 +446,14 @@ def main():
     parser.add_argument("--kernels-model", default="qwen2.5-7b")
     parser.add_argument("--out", default="benchmarks/results/sweep_gpu.json")
     parser.add_argument("--profile", default="", help="model,seq,adapters,batch of a packed step to profile")
+    parser.add_argument("--sweep-steps", type=int, default=30, help="steps of every config in makespan/overhead")
+    parser.add_argument("--microbatch-tokens", type=int, default=64 * 1024)
+    parser.add_argument("--plot-only", help="redraw the plot of a saved results JSON and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            plot(json.load(f), os.path.splitext(args.plot_only)[0] + ".png")
+        return
     sections = args.sections.split(",")
     lines = []
 
@@ -317,6 +479,11 @@ def main():
                                           [int(b) for b in args.batches.split(",")], peak, args.warmup, args.steps, log)
     if "kernels" in sections:
         result["kernels"] = kernels(args.kernels_model, 1024, 16, peak, args.warmup, args.steps, log)
+    if "makespan" in sections:
+        result["makespan"] = makespan(args.models.split(",")[0], args.seq.split(",")[0] and int(args.seq.split(",")[0]),
+                                      args.sweep_steps, log, args.microbatch_tokens)
+    if "overhead" in sections:
+        result["overhead"] = overhead(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log)
     if args.profile:
         m, q, n, b = args.profile.split(",")
         result["profile"] = profile(m, int(q), int(n), int(b), log, os.path.dirname(os.path.abspath(args.out)))
@@ -328,10 +495,15 @@ def main():
             best[key] = {"adapters": r["adapters"], "ranks": r["ranks"], "ratio": round(r["ratio"], 2),
                          "mfu": round(r["mfu"], 3), "solo_mfu": round(r["solo_mfu"], 3)}
     result["summary"] = {"best_ratio_16plus_adapters": best,
-                         "kernels_speedup": result.get("kernels", {}).get("speedup")}
+                         "kernels_speedup": result.get("kernels", {}).get("speedup"),
+                         "makespan_ratio": result.get("makespan", {}).get("ratio"),
+                         "prediction_error": result.get("makespan", {}).get("prediction_error"),
+                         "tuner_overhead": result.get("overhead", {}).get("overhead")}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    if result.get("throughput"):
+        plot(result, os.path.splitext(args.out)[0] + ".png")
     log(json.dumps(result["summary"], indent=1))
 
 

@@ -522,9 +522,11 @@ class PackedJob:
         return per_adapter_lm_loss(hidden, self.lm_head_weight, targets, seg_lens)
 
     def _evict(self, adapter: _Adapter) -> None:
-        if len(self.active) == 1:
-            raise torch.OutOfMemoryError(
-                f"Trial {adapter.trial_id!r} does not fit in memory even alone with one sample per microbatch.")
+        if len(self.active) == 1:  # nothing left to make room: this trial alone cannot fit
+            self._drop(adapter.trial_id)
+            self._events.append(Failed(adapter.trial_id, adapter.step, f"out of memory: trial {adapter.trial_id!r} "
+                                       "does not fit even alone with one sample per microbatch"))
+            return
         logger.warning("out of memory with one sample per microbatch: trial %s moves out of the job until "
                        "another trial leaves", adapter.trial_id)
         snapshot = self._snapshot(adapter)

@@ -142,3 +142,11 @@ def test_kill_9_and_restart_gives_the_uninterrupted_adapters(tiny_llama_dir, toy
         assert got.keys() == want.keys()
         for k in got:
             assert torch.equal(got[k], want[k]), (t, k)
+
+
+def test_trial_that_cannot_fit_even_alone_fails_alone(tiny_llama_dir, toy_data, tmp_path):
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "alone", eval_every=2), trials()[:1],
+                    progress=False)
+    job.simulated_oom = lambda padded_tokens, adapters: True  # no memory at all
+    events = list(job.run())
+    assert len(events) == 1 and events[0].trial_id == "a" and "out of memory" in events[0].reason

@@ -5,16 +5,21 @@ the heavy work happens in *pack servers*, Ray actors that each hold a GPU (or th
 `PackedJob` whose base model is loaded once. The proxy only translates:
 
     Tune config --TrialConfig--> pack server: add_trial --PackedJob.run()--> Report / Finished / Failed
-    tune.report(metrics, checkpoint) <---------------------- messages <----------'
-    Tune stops the trial (ASHA, a stopper, the end) ---> proxy's `finally` ---> pack server: remove_trial
+    tune.report(metrics, checkpoint) <------ proxy <------ messages <-----------------'
 
 A pack server trains continuously: trials join and leave its running job between steps, and
 when no trial is left it waits for the next one instead of returning. Pack servers are
 spread over the cluster's nodes by Ray's own scheduler (their resources and the SPREAD
 strategy), so a multi-node Ray cluster is used without any other set-up.
 
-A proxy that dies without its `finally` (its process killed, its node lost) stops renewing
-its lease; the pack server drops the adapter once the lease expires.
+A trial's adapter leaves its pack, at the job's next step, in whichever of these comes first:
+it finishes or fails (the engine's events); Tune stops, pauses or fails it (`executor.callback`,
+in Tune's driver); its proxy ends (the proxy's `finally`); its proxy dies without a `finally`
+(the process killed, the node lost), so its lease is not renewed and expires.
+
+A paused trial that Tune resumes from its checkpoint joins again and is retrained from step 0
+(deterministically), reporting only the steps after the checkpoint's: the engine cannot
+restore an adapter's optimizer state yet.
 
 Example:
 
@@ -285,6 +290,8 @@ class PackServer:
             if self._slots.get(slot.ticket) is not slot or not slot.in_job:
                 return  # it left while we saved the adapter
             if message.kind == "report":
+                for waiting in slot.outbox:  # Tune is behind: only the newest report keeps its adapter
+                    waiting.adapter = None
                 slot.outbox.append(message)
                 self._cond.notify_all()
             else:

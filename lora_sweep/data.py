@@ -158,8 +158,8 @@ def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device, length: int
 
     * padded (`packed_row` None): one row per sample, right-padded to `length` (None: the
       longest sample). Right padding, so real tokens never see padding under causal attention.
-    * packed (`packed_row=R`): samples back to back in rows of R tokens, a sample never split
-      across rows, each row's tail padded. Position ids restart at every sample and no attention
+    * packed (`packed_row=R`): samples back to back in rows of at most R tokens, a sample
+      never split across rows, each row's tail padded. Position ids restart at every sample and no attention
       mask is passed, so transformers' attention keeps samples apart (its packed-sequence mask).
 
     Returns the model inputs (`input_ids`, and `attention_mask` and HF-style unshifted `labels`,
@@ -180,27 +180,25 @@ def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device, length: int
                 positions.append([1] * len(s) + [0] * pad)  # the attention mask
             seg_tokens.append(len(group) * length)
     else:
-        row_ids, row_targets, row_pos, owner = [], [], [], 0
-
-        def close_row():
-            pad = packed_row - len(row_ids)
-            ids.append(row_ids + [pad_id] * pad)
-            targets.append(row_targets + [IGNORE_INDEX] * pad)
-            positions.append(row_pos + list(range(pad)))
-            seg_tokens[owner] += pad  # the row's padding counts with its last sample's group
-
+        rows = []  # (ids, targets, positions, group of its last sample), next-fit
         for g, group in enumerate(groups):
-            seg_tokens.append(0)
+            seg_tokens.append(sum(len(s) for s in group))
             for s in group:
-                if row_ids and len(row_ids) + len(s) > packed_row:
-                    close_row()
-                    row_ids, row_targets, row_pos = [], [], []
+                if not rows or len(rows[-1][0]) + len(s) > packed_row:
+                    rows.append(([], [], [], g))
+                row_ids, row_targets, row_pos, _ = rows[-1]
                 row_ids += s.input_ids
                 row_targets += list(s.labels[1:]) + [IGNORE_INDEX]
                 row_pos += range(len(s))
-                seg_tokens[g] += len(s)
-                owner = g
-        close_row()
+                rows[-1] = (row_ids, row_targets, row_pos, g)
+        # rows as long as the longest one needs (a multiple of 8), at most packed_row
+        width = min(packed_row, -(-max(len(r[0]) for r in rows) // 8) * 8)
+        for row_ids, row_targets, row_pos, owner in rows:
+            pad = width - len(row_ids)
+            ids.append(row_ids + [pad_id] * pad)
+            targets.append(row_targets + [IGNORE_INDEX] * pad)
+            positions.append(row_pos + list(range(pad)))
+            seg_tokens[owner] += pad  # a row's padding counts with its last sample's group
     targets_t = torch.tensor(targets, dtype=torch.long)
     batch = {
         "input_ids": torch.tensor(ids, dtype=torch.long).to(device),

@@ -1,5 +1,5 @@
 """Ray Tune integration on a real local Ray instance: packing, ASHA refills, equality with the
-engine alone, searchers and schedulers, per-trial errors, and a proxy that dies.
+engine alone, Optuna with median stopping, per-trial errors, pause and resume, a proxy that dies.
 
 One `ray.init` and one `PackedExecutor` (one CPU pack server, 3 slots) serve the whole module.
 """

@@ -116,6 +116,8 @@ class TrialConfig:
         if self.target_modules is not None:
             if isinstance(self.target_modules, str):
                 self.target_modules = (self.target_modules,)
+            if not isinstance(self.target_modules, (list, tuple)):
+                raise _fail(tid, "target_modules", self.target_modules, "None or a non-empty list of module names")
             mods = tuple(self.target_modules)
             if not mods or not all(isinstance(m, str) and m for m in mods):
                 raise _fail(tid, "target_modules", self.target_modules, "None or a non-empty list of module names")

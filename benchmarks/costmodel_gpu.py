@@ -1,8 +1,8 @@
 """Does the cost model hold on a real GPU? Memory and step time of packed jobs, predicted
 against measured, on real architectures with random bf16 weights.
 
-For each model: calibrate the step-time coefficients on a profiling job (PLoRA profiles
-~10 steps), then run three packed jobs of 1 to 16 adapters (mixed ranks and batch sizes)
+For each model: calibrate the step-time coefficients on a few profiled steps of jobs of 1,
+3 and 6 adapters (PLoRA profiles ~10 steps), then run three other packed jobs of 1 to 16 adapters (mixed ranks and batch sizes)
 and compare, per job, the memory model's peak with `torch.cuda.max_memory_allocated` (the
 roofline memory model, not the calibrated one: it must hold before anything was run) and
 the calibrated step time with the median measured one. Samples are max_seq_len tokens
@@ -50,10 +50,15 @@ def check_model(name: str, seq: int, warmup: int, steps: int, log) -> dict:
     spec = spec_for(model, rows, seq)
     roofline = CostModel.from_model(PRESETS[name], gpu=detect(), max_seq_len=seq, dtype="bfloat16")
 
-    job = ls.PackedJob(spec, trials_of(PROFILE, "p"), progress=False)
-    calibrated = calibrate(roofline, profile_job(job, steps=10, warmup=2))
-    del job
-    strip_adapters(model)
+    # a few steps of jobs of 1, 3 and 6 adapters: the fit needs steps that differ in tokens,
+    # rank-tokens and adapter count to tell its terms apart
+    stats = []
+    for k in (1, 3, 6):
+        job = ls.PackedJob(spec, trials_of(PROFILE[:k], "p"), progress=False)
+        stats += profile_job(job, steps=4, warmup=2)
+        del job
+        strip_adapters(model)
+    calibrated = calibrate(roofline, stats)
     torch.cuda.empty_cache()
 
     jobs = {}

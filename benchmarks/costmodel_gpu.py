@@ -84,7 +84,8 @@ def check_model(name: str, seq: int, warmup: int, steps: int, log) -> dict:
             f"{predicted_seconds * 1e3:7.1f} predicted ({jobs[label]['time_error']:+.1%})")
     del model
     torch.cuda.empty_cache()
-    return {"model": name, "seq": seq, "calibration": calibrated.calibration.describe(), "jobs": jobs}
+    return {"model": name, "seq": seq, "calibration": calibrated.calibration.describe(), "jobs": jobs,
+            "profile_stats": stats}
 
 
 def main():

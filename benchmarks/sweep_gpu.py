@@ -469,6 +469,12 @@ def main():
                                                                  "transformers": transformers.__version__,
                                                                  "lora_sweep": ls.__version__},
               "args": vars(args)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save():  # after every section, so a run cut short keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
     result["ceilings"] = ceilings()
     peak = result["ceilings"]["bf16_tflops"]
     log(f"{result['gpu']}: bf16 matmul {peak:.0f} TFLOP/s, copy {result['ceilings']['copy_gbps']:.0f} GB/s")
@@ -477,13 +483,17 @@ def main():
         result["throughput"] = throughput(args.models.split(","), [int(s) for s in args.seq.split(",")],
                                           [int(n) for n in args.adapters.split(",")],
                                           [int(b) for b in args.batches.split(",")], peak, args.warmup, args.steps, log)
+        save()
     if "kernels" in sections:
         result["kernels"] = kernels(args.kernels_model, 1024, 16, peak, args.warmup, args.steps, log)
+        save()
     if "makespan" in sections:
         result["makespan"] = makespan(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log,
                                       args.microbatch_tokens)
+        save()
     if "overhead" in sections:
         result["overhead"] = overhead(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log)
+        save()
     if args.profile:
         m, q, n, b = args.profile.split(",")
         result["profile"] = profile(m, int(q), int(n), int(b), log, os.path.dirname(os.path.abspath(args.out)))
@@ -499,9 +509,7 @@ def main():
                          "makespan_ratio": result.get("makespan", {}).get("ratio"),
                          "prediction_error": result.get("makespan", {}).get("prediction_error"),
                          "tuner_overhead": result.get("overhead", {}).get("overhead")}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save()
     if result.get("throughput"):
         plot(result, os.path.splitext(args.out)[0] + ".png")
     log(json.dumps(result["summary"], indent=1))

@@ -664,11 +664,13 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
 
     Step time is linear in the features of `CostModel.time_features`, and peak memory is
     linear in the base and LoRA activation bytes plus a workspace constant, so both are least
-    squares fits. A coefficient the steps cannot tell apart (e.g. the per-step overhead and
-    the weight-read time when every step ran on the same GPUs; the adapter overhead when
-    every step had the same adapters) is held near its current value by a small ridge term,
-    so a few steps of one job give a model that is right for that job and sane for others.
-    Coefficients are kept non-negative.
+    squares fits. Step time is fitted twice: first with three terms that a few steps of a few
+    jobs determine (a per-step overhead, a per-adapter overhead, and one factor on the
+    roofline's time of weights, base and LoRA FLOPs and communication), then with every
+    term, pulled towards the first fit by a ridge term. So terms the steps cannot tell apart
+    (the LoRA FLOPs and the tokens when rank and batch grow together; the per-step overhead
+    and the weight reads on one GPU count) keep the roofline's proportions, while many varied
+    steps recover each coefficient. Coefficients are kept non-negative.
 
     Example:
 
@@ -704,7 +706,15 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
     features = np.array([cost_model.time_features(tokens_of(s), s["rank_tokens"], s["num_adapters"],
                                                   s.get("num_gpus", num_gpus)) for s in step_stats])
     seconds = np.array([s["seconds"] for s in step_stats], dtype=float)
-    cal.time_coefs = _ridge_fit(features, seconds, np.asarray(cal.time_coefs)).tolist()
+    # First a fit that few steps determine: per-step and per-adapter overheads and one factor
+    # on the roofline's time of everything else. Then the full fit, pulled towards it, so that
+    # terms the profiled steps cannot tell apart keep the roofline's proportions.
+    prior = np.asarray(cal.time_coefs)
+    physics = features[:, 2:] @ prior[2:]
+    c0, c1, factor = _ridge_fit(np.column_stack([features[:, :2], physics]), seconds,
+                                np.array([prior[0], prior[1], 1.0]))
+    start = np.concatenate([[c0, c1], factor * prior[2:]])
+    cal.time_coefs = _ridge_fit(features, seconds, start).tolist()
 
     # memory: peak - (weights, logits, adapter states) = a * base act + b * lora act + workspace
     with_memory = [s for s in step_stats if s.get("peak_memory_bytes") is not None]

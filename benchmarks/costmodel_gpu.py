@@ -2,7 +2,7 @@
 against measured, on real architectures with random bf16 weights.
 
 For each model: calibrate the step-time coefficients on a few profiled steps of jobs of 1,
-3 and 6 adapters (PLoRA profiles ~10 steps), then run three other packed jobs of 1 to 16 adapters (mixed ranks and batch sizes)
+4 and 16 adapters (PLoRA profiles ~10 steps), then run three other packed jobs of 1 to 16 adapters (mixed ranks and batch sizes)
 and compare, per job, the memory model's peak with `torch.cuda.max_memory_allocated` (the
 roofline memory model, not the calibrated one: it must hold before anything was run) and
 the calibrated step time with the median measured one. Samples are max_seq_len tokens
@@ -31,7 +31,11 @@ JOBS = {  # three packed jobs per model: (rank, batch size) of each adapter
     "four": [(8, 1), (16, 2), (64, 4), (128, 1)],
     "sixteen": [(r, b) for r, b in zip([8, 16, 32, 64, 128, 8, 16, 32] * 2, [1, 2, 1, 4, 1, 2, 1, 1] * 2)],
 }
-PROFILE = [(8, 1), (16, 4), (32, 2), (64, 8), (128, 1), (16, 16)]
+# profiling jobs of 1, 4 and 16 adapters (other ranks and batches than the jobs checked): a
+# calibration should span the pack sizes it will predict; a small step is host-bound, a large
+# one device-bound, and a linear fit only interpolates between the two
+PROFILE = [(32, 2), (8, 4), (128, 2), (16, 1)] + [(r, b) for r, b in zip([64, 8, 16, 32, 128, 16] * 2,
+                                                                          [1, 1, 2, 2, 1, 4] * 2)]
 
 
 def full_length_rows(n: int, seq_len: int) -> list[dict]:
@@ -52,13 +56,13 @@ def check_model(name: str, seq: int, warmup: int, steps: int, log) -> dict:
 
     # a few steps of jobs of 1, 3 and 6 adapters: the fit needs steps that differ in tokens,
     # rank-tokens and adapter count to tell its terms apart
-    stats = []
-    for k in (1, 3, 6):
+    profile = []
+    for k in (1, 4, 16):
         job = ls.PackedJob(spec, trials_of(PROFILE[:k], "p"), progress=False)
-        stats += profile_job(job, steps=4, warmup=2)
+        profile += profile_job(job, steps=4, warmup=2)
         del job
         strip_adapters(model)
-    calibrated = calibrate(roofline, stats)
+    calibrated = calibrate(roofline, profile)
     torch.cuda.empty_cache()
 
     jobs = {}
@@ -85,7 +89,7 @@ def check_model(name: str, seq: int, warmup: int, steps: int, log) -> dict:
     del model
     torch.cuda.empty_cache()
     return {"model": name, "seq": seq, "calibration": calibrated.calibration.describe(), "jobs": jobs,
-            "profile_stats": stats}
+            "profile_stats": profile}
 
 
 def main():

@@ -214,10 +214,10 @@ class PackedJob:
         so a bad trial never stops the job."""
         if isinstance(cfg, TrialConfig) and cfg.trial_id is None:
             cfg.trial_id = self._new_id()
-        with self._lock:
+        with self._lock:  # one lock with run()'s start and end: no step can begin in between
             self._pending_add.append(cfg)
-        if not self._running:  # outside run() there is no step to wait for
-            self._apply_membership()
+            if not self._running:  # outside run() there is no step to wait for
+                self._apply_membership_locked()
         return cfg.trial_id if isinstance(cfg, TrialConfig) else (cfg.get("trial_id") or None)
 
     def remove_trial(self, trial_id: str) -> None:
@@ -225,8 +225,8 @@ class PackedJob:
         already finished trials are ignored."""
         with self._lock:
             self._pending_remove.add(str(trial_id))
-        if not self._running:
-            self._apply_membership()
+            if not self._running:
+                self._apply_membership_locked()
 
     def _new_id(self) -> str:
         while f"trial-{self._next_id}" in self.active or f"trial-{self._next_id}" in self.finished:
@@ -314,7 +314,8 @@ class PackedJob:
         Between events the caller may `add_trial` / `remove_trial`."""
         self._bar = tqdm(total=sum(a.cfg.max_steps - a.step for a in self.active.values()),
                          desc="lora_sweep", unit="step", disable=not self.progress, dynamic_ncols=True)
-        self._running = True
+        with self._lock:
+            self._running = True
         self._sigterm = False
         previous = self._install_sigterm_handler()
         try:
@@ -325,10 +326,12 @@ class PackedJob:
                     self._checkpoint_all()
                     signal.signal(signal.SIGTERM, previous)
                     os.kill(os.getpid(), signal.SIGTERM)
+                with self._lock:  # leave only if no trial was added since the membership update
+                    if not self.active and not self._pending_add:
+                        self._running = False
+                        return
                 if not self.active:
-                    if self._pending_add:
-                        continue
-                    return
+                    continue
                 self._train_step()
                 yield from self._drain_events()
         finally:

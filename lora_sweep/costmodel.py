@@ -616,7 +616,8 @@ class CostModel:
         terms = self.memory_terms(*self._totals([trial], for_time=False), 1)
         detail = ", ".join(f"{k.replace('_', ' ')} {v / GB:.1f}" for k, v in terms.items() if v > 0)
         raise ConfigError(
-            f"Trial {trial.trial_id!r}: needs {need / GB:.1f} GB of GPU memory ({detail} GB) with rank "
+            f"{'Trial ' + repr(trial.trial_id) + ':' if trial.trial_id is not None else 'A trial'} needs "
+            f"{need / GB:.1f} GB of GPU memory ({detail} GB) with rank "
             f"{trial.rank}, batch_size {trial.batch_size} and max_seq_len {self.max_seq_len}, but "
             f"{num_gpus} x {self.gpu.memory_gb:g} GB GPUs at load factor {self.load_factor:g} hold "
             f"{num_gpus * self.capacity_bytes / GB:.1f} GB. Lower `batch_size` or `rank`, or use "

@@ -603,7 +603,8 @@ def admit(
         if need > budget:
             if cm.fits([trial], num_gpus):
                 break  # it will fit once some running trials leave: keep the order
-            warnings.warn(f"Trial {trial.trial_id!r} does not fit even alone on {num_gpus} GPU(s); skipped.")
+            warnings.warn(f"{'Trial ' + repr(trial.trial_id) if trial.trial_id is not None else 'A trial'} "
+                          f"does not fit even alone on {num_gpus} GPU(s); skipped.")
             continue
         admitted.append(trial)
         budget -= need

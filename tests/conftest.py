@@ -42,8 +42,15 @@ def make_toy_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def _save(model, tokenizer, path):
-    model.save_pretrained(path)
+def save_tiny_model(model_type: str, tokenizer, path, seed: int, **config) -> str:
+    """A random 2-layer GQA decoder of `model_type`, saved with `save_pretrained` beside its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, **config)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 
@@ -55,24 +62,14 @@ def char_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, char_tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(char_tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    return _save(LlamaForCausalLM(cfg), char_tokenizer, tmp_path_factory.mktemp("tiny_llama"))
+    return save_tiny_model("llama", char_tokenizer, tmp_path_factory.mktemp("tiny_llama"), seed=0,
+                           tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_dir(tmp_path_factory, char_tokenizer):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(1)
-    cfg = Qwen2Config(vocab_size=len(char_tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
-    return _save(Qwen2ForCausalLM(cfg), char_tokenizer, tmp_path_factory.mktemp("tiny_qwen"))
+    return save_tiny_model("qwen2", char_tokenizer, tmp_path_factory.mktemp("tiny_qwen"), seed=1,
+                           tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

@@ -198,6 +198,7 @@ class PackedJob:
         self.progress = progress
         self._running = False
         self._lock = threading.RLock()  # add/remove may come from another thread (Ray actor calls)
+        self._bar: Optional[tqdm] = None  # the progress bar while run() iterates
         for cfg in trials:
             self.add_trial(cfg)
 
@@ -306,8 +307,6 @@ class PackedJob:
             self._restore(self.active[cfg.trial_id], snapshot)
 
     # ------------------------------------------------------------------ the step loop
-
-    _bar = None
 
     def run(self) -> Iterator[Event]:
         """Train until no trial is left, yielding `Report`, `Finished` and `Failed` events.

@@ -13,7 +13,6 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e ".[test]"
-	$(PYTHON) -m ipykernel install --user --name lora-sweep >/dev/null 2>&1 || true
 	touch $@
 
 venv: $(VENV)/.installed

@@ -80,6 +80,12 @@ Event = Union[Report, Finished, Failed]
 RESULT_FILE = "lora_sweep_result.json"  # beside a finished adapter: its config, last step and metrics
 
 
+def _same_config(saved: dict, cfg: TrialConfig) -> bool:
+    """Whether a saved state's config is `cfg`'s, whatever the trial_id (a tuner may rerun a
+    trial under a new id)."""
+    return {**saved, "trial_id": None} == {**cfg.to_dict(), "trial_id": None}
+
+
 class _DoesNotFit(Exception):
     """A step ran out of memory with a single sample in every microbatch."""
 
@@ -190,7 +196,7 @@ class PackedJob:
         self.finished: dict[str, str] = {}  # trial_id -> adapter dir
         self.waiting: deque[dict] = deque()  # snapshots of adapters moved out after an OOM
         self.evictions = 0
-        self._pending_add: deque[Union[TrialConfig, dict]] = deque()
+        self._pending_add: deque[tuple[Union[TrialConfig, dict], Optional[dict]]] = deque()  # (config, state)
         self._pending_remove: set[str] = set()
         self._events: deque[Event] = deque()
         self._next_id = 0
@@ -209,14 +215,15 @@ class PackedJob:
         """The active trials, trial_id -> config."""
         return {tid: a.cfg for tid, a in self.active.items()}
 
-    def add_trial(self, cfg: Union[TrialConfig, dict]) -> Optional[str]:
+    def add_trial(self, cfg: Union[TrialConfig, dict], state: Optional[dict] = None) -> Optional[str]:
         """Queue a trial (a TrialConfig or a dict of its fields); it joins at the next step.
         Returns its trial_id. An invalid config becomes a `Failed` event, not an exception,
-        so a bad trial never stops the job."""
+        so a bad trial never stops the job. `state` (from `trial_state` or `saved_state`, of
+        the same config under any trial_id) makes it continue exactly where that one was."""
         if isinstance(cfg, TrialConfig) and cfg.trial_id is None:
             cfg.trial_id = self._new_id()
         with self._lock:  # one lock with run()'s start and end: no step can begin in between
-            self._pending_add.append(cfg)
+            self._pending_add.append((cfg, state))
             if not self._running:  # outside run() there is no step to wait for
                 self._apply_membership_locked()
         return cfg.trial_id if isinstance(cfg, TrialConfig) else (cfg.get("trial_id") or None)
@@ -246,7 +253,7 @@ class PackedJob:
         for tid in removes:
             if tid in self.active:
                 self._drop(tid)
-        for raw in adds:
+        for raw, state in adds:
             if (raw.trial_id if isinstance(raw, TrialConfig) else raw.get("trial_id")) in removes:
                 continue
             try:
@@ -256,16 +263,20 @@ class PackedJob:
                     raise ConfigError(f"Trial {cfg.trial_id!r} is already in this job.", field="trial_id",
                                       trial_id=cfg.trial_id)
                 check_against_model(cfg, self.spec, self.module_shapes)
+                if state is not None and not _same_config(state["config"], cfg):
+                    raise ConfigError(f"Trial {cfg.trial_id!r}: the `state` given was saved from another "
+                                      "config.", field="state", trial_id=cfg.trial_id)
             except ConfigError as e:
                 tid = e.trial_id or (raw.trial_id if isinstance(raw, TrialConfig) else raw.get("trial_id"))
                 logger.warning("trial %s rejected: %s", tid, e)
                 self._events.append(Failed(str(tid), 0, str(e)))
                 continue
-            self._join(cfg)
+            self._join(cfg, state)
 
-    def _join(self, cfg: TrialConfig) -> None:
+    def _join(self, cfg: TrialConfig, state: Optional[dict] = None) -> None:
         """Add a trial's adapter to every layer it targets, or resume it: a finished trial
-        (saved result on disk) is reported as finished, a checkpointed one continues."""
+        (saved result on disk) is reported as finished; one with a `state`, or a checkpoint
+        of its own, continues from there."""
         result = self._read_result(cfg)
         if result is not None:
             self.finished[cfg.trial_id] = result["adapter_dir"]
@@ -287,10 +298,10 @@ class PackedJob:
                            cfg.weight_decay, cfg.max_grad_norm)
         adapter = _Adapter(cfg, key, SampleStream(len(self.train_samples), cfg.seed), modules)
         self.active[cfg.trial_id] = adapter
-        checkpoint = self._read_checkpoint(cfg)
-        if checkpoint is not None:
-            self._restore(adapter, checkpoint)
-            logger.info("trial %s resumed from its checkpoint at step %d", cfg.trial_id, adapter.step)
+        state = state if state is not None else self._read_checkpoint(cfg)
+        if state is not None:
+            self._restore(adapter, state)
+            logger.info("trial %s resumed at step %d", cfg.trial_id, adapter.step)
         if self._bar is not None:
             self._bar.total += cfg.max_steps - adapter.step
             self._bar.refresh()
@@ -302,9 +313,7 @@ class PackedJob:
         self.optimizer.remove(trial_id)
         if self.waiting:  # memory was freed: an adapter moved out after an OOM comes back
             snapshot = self.waiting.popleft()
-            cfg = TrialConfig.from_dict(snapshot["config"])
-            self._join(cfg)
-            self._restore(self.active[cfg.trial_id], snapshot)
+            self._join(TrialConfig.from_dict(snapshot["config"]), snapshot)
 
     # ------------------------------------------------------------------ the step loop
 
@@ -670,6 +679,16 @@ class PackedJob:
         a.micro_steps, a.step, a.tokens, a.seconds = c["micro_steps"], c["step"], c["tokens"], c["seconds"]
         a.window_losses, a.report_losses = list(c["window_losses"]), list(c["report_losses"])
 
+    def trial_state(self, trial_id: str) -> dict:
+        """An active trial's full training state (weights, AdamW moments, data cursor, counters),
+        on the CPU. `add_trial(cfg, state=...)` continues it exactly, in this job or another."""
+        return self._snapshot(self.active[trial_id])
+
+    def saved_state(self, trial_id: str) -> Optional[dict]:
+        """The state of `trial_id`'s last checkpoint in this job's output_dir, if it has one."""
+        path = self._checkpoint_path(trial_id)
+        return torch.load(path, map_location="cpu", weights_only=True) if os.path.exists(path) else None
+
     def _write_checkpoint(self, a: _Adapter) -> None:
         buffer = io.BytesIO()
         torch.save(self._snapshot(a), buffer)
@@ -682,13 +701,10 @@ class PackedJob:
                 self._write_checkpoint(a)
 
     def _read_checkpoint(self, cfg: TrialConfig) -> Optional[dict]:
-        """The trial's checkpoint, if checkpointing is on and one exists for this very config."""
-        path = self._checkpoint_path(cfg.trial_id)
-        if self.spec.checkpoint_every is None or not os.path.exists(path):
-            return None
-        snapshot = torch.load(path, map_location="cpu", weights_only=True)
-        if snapshot["config"] != cfg.to_dict():
-            logger.warning("ignoring checkpoint %s: it belongs to another config of trial %s", path, cfg.trial_id)
+        """The trial's own checkpoint, if checkpointing is on and one exists for this very config."""
+        snapshot = self.saved_state(cfg.trial_id) if self.spec.checkpoint_every is not None else None
+        if snapshot is not None and snapshot["config"] != cfg.to_dict():
+            logger.warning("ignoring the checkpoint of trial %s: it belongs to another config", cfg.trial_id)
             return None
         return snapshot
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import lora_sweep as ls
-from lora_sweep.engine import Finished, PackedJob, Report, _atomic_write
+from lora_sweep.engine import Failed, Finished, PackedJob, Report, _atomic_write
 
 from test_engine_equivalence import make_spec, run_packed
 
@@ -150,3 +150,23 @@ def test_trial_that_cannot_fit_even_alone_fails_alone(tiny_llama_dir, toy_data, 
     job.simulated_oom = lambda padded_tokens, adapters: True  # no memory at all
     events = list(job.run())
     assert len(events) == 1 and events[0].trial_id == "a" and "out of memory" in events[0].reason
+
+
+def test_a_trial_state_continues_exactly_in_another_job_under_another_id(tiny_llama_dir, toy_data, tmp_path, unsplit):
+    first = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "first", eval_every=2), trials(), progress=False)
+    for event in first.run():
+        if isinstance(event, Report) and event.trial_id == "b" and event.step == 4:
+            break
+    state = first.trial_state("b")
+    with pytest.raises(KeyError):
+        first.trial_state("nope")
+    second = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "second", eval_every=2), [], progress=False)
+    import dataclasses
+    second.add_trial(dataclasses.replace(trials()[1], trial_id="b-rerun"), state=state)
+    second.add_trial(dataclasses.replace(trials()[0], trial_id="wrong"), state=state)  # a's config, b's state
+    events = list(second.run())
+    assert [e.trial_id for e in events if isinstance(e, Failed)] == ["wrong"]
+    assert [e.step for e in events if isinstance(e, Report)] == [6]  # continued from step 4, not restarted
+    got = load_file(f"{second.finished['b-rerun']}/adapter_model.safetensors")
+    for k, v in unsplit[0]["b"].items():
+        assert torch.equal(got[k], v), k

@@ -17,7 +17,8 @@ ask-and-tell interface instead of an objective function:
 Workers sharing one storage (an RDB URL or a `JournalStorage` file) coordinate through
 it: each records its id on the trials it runs and stamps a heartbeat into the study, and
 the RUNNING trials of a worker that died (no heartbeat for three intervals, or a dead
-process on this host) are told FAIL and their params enqueued again.
+process on this host) are told FAIL and their params enqueued again; with
+`JobSpec.checkpoint_every` the rerun continues from the dead trial's last checkpoint.
 
     study = optuna.create_study(storage="sqlite:///sweep.db", study_name="lora", load_if_exists=True)
     sampler = PackedLoRASampler(study, spec, trial_defaults={"max_steps": 200})
@@ -211,8 +212,9 @@ class PackedLoRASampler(BaseSampler):
         running `optimize` again on a resumed study, or on several workers with the same
         `n_trials`, ends with that many trials. Trials that a dead worker left RUNNING are
         told FAIL with the user attr ``requeued`` (they do not count) and their params
-        enqueued again, so they train anew from step 0 as new trials (user attr
-        ``restart_of``). Workers racing for the last trials may overshoot the total by one
+        enqueued again as new trials (user attr ``restart_of``). They continue from the dead
+        trial's last engine checkpoint when the spec sets ``checkpoint_every`` (and the
+        workers share its ``output_dir``), else they train anew from step 0. Workers racing for the last trials may overshoot the total by one
         trial each, as with Optuna's `MaxTrialsCallback`.
 
         After `timeout` no new trial starts; running ones finish. `study.stop()` in a
@@ -492,14 +494,20 @@ class _JobFeeder:
             self._join(trial, cfg)
 
     def _trial_id(self, trial: Trial) -> str:
-        return f"{self.sweep.study.study_name}-trial-{trial.number}"
+        return _engine_trial_id(self.sweep.study.study_name, trial.number)
 
     def _join(self, trial: Trial, cfg: TrialConfig) -> None:
         job = self.job
         with self.sweep.lock:
             trial.set_user_attr("pack_id", job.pack_id)
+            restart_of = trial.user_attrs.get("restart_of")
+        # A rerun of a dead worker's trial continues from that trial's last engine checkpoint
+        # (JobSpec.checkpoint_every, in an output_dir both workers see), not from step 0.
+        state = None
+        if restart_of is not None and job.spec.checkpoint_every is not None:
+            state = job.saved_state(_engine_trial_id(self.sweep.study.study_name, restart_of))
         self.in_flight[cfg.trial_id] = _InFlight(trial, cfg)
-        job.add_trial(cfg)
+        job.add_trial(cfg, state=state)
 
     # ---- engine events -> Optuna
 
@@ -616,6 +624,11 @@ def _to_distribution(name: str, dim: Any) -> BaseDistribution:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrialConfig)}
+
+
+def _engine_trial_id(study_name: str, number: int) -> str:
+    """The engine's trial_id of an Optuna trial: its adapter and checkpoint are saved under it."""
+    return f"{study_name}-trial-{number}"
 
 
 def _trial_config(trial: Trial, search_space, trial_defaults: Mapping[str, Any], trial_id: str) -> TrialConfig:

@@ -18,6 +18,7 @@ from collections import Counter
 
 import optuna
 import pytest
+import torch
 from optuna.distributions import FloatDistribution, IntDistribution
 from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
@@ -25,6 +26,7 @@ from optuna.trial import TrialState
 
 import lora_sweep as ls
 import lora_sweep.integrations.optuna as lso
+from lora_sweep.engine import Finished, PackedJob
 from lora_sweep.integrations.optuna import PackedLoRASampler
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -280,14 +282,16 @@ def test_several_devices_run_one_job_each(spec):
 # --------------------------------------------------------------------------- worker processes
 
 
-def start_worker(tmp_path, storage: str, name: str, n_trials: int, max_steps: int, model_dir, toy_data):
+def start_worker(tmp_path, storage: str, name: str, n_trials: int, max_steps: int, model_dir, toy_data,
+                 checkpoint_every=None):
     data = tmp_path / "data"
     if not data.exists():
         data.mkdir()
         for split, rows in zip(("train", "eval"), toy_data):
             (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = dict(storage=storage, model=str(model_dir), data=str(data), output=str(tmp_path / "runs"),
-                n_trials=n_trials, max_steps=max_steps, log=str(tmp_path / f"{name}.trials"))
+                n_trials=n_trials, max_steps=max_steps, log=str(tmp_path / f"{name}.trials"),
+                checkpoint_every=checkpoint_every)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, __file__, json.dumps(args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -342,6 +346,52 @@ def test_resume_after_the_worker_is_killed(tiny_llama_dir, toy_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_killed_trials_continue_from_their_checkpoints(tiny_llama_dir, toy_data, tmp_path):
+    """kill -9 mid-sweep on a JournalStorage; the rerun of each killed trial continues from its
+    engine checkpoint and ends with the value of that config trained without interruption."""
+    journal = str(tmp_path / "journal.log")
+    worker = start_worker(tmp_path, journal, "killed", 4, 16, tiny_llama_dir, toy_data, checkpoint_every=2)
+    storage = JournalStorage(JournalFileBackend(journal))
+
+    def past_a_checkpoint():
+        try:
+            trials = optuna.load_study(study_name="sweep", storage=storage).trials
+        except KeyError:
+            return False
+        return any(t.state == TrialState.RUNNING and len(t.intermediate_values) >= 5 for t in trials)
+
+    wait_for(past_a_checkpoint, 120, "a trial passes a checkpoint", worker)
+    worker.kill()
+    worker.wait()
+    killed = [t for t in optuna.load_study(study_name="sweep", storage=storage).trials
+              if t.state == TrialState.RUNNING and len(t.intermediate_values) >= 5]
+    assert killed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the worker ran: then the rerun matches bit for bit
+    try:
+        study = optuna.load_study(study_name="sweep", storage=storage, pruner=NO_PRUNING)
+        spec = make_spec(tiny_llama_dir, *toy_data, tmp_path / "runs", checkpoint_every=2)
+        PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": 16, "batch_size": 2},
+                          max_concurrent=2).optimize(n_trials=4, show_progress_bar=False)
+        check_reruns(study, killed, tiny_llama_dir, toy_data, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_reruns(study, killed, tiny_llama_dir, toy_data, tmp_path):
+    for dead in killed:
+        rerun = next(t for t in study.trials if t.user_attrs.get("restart_of") == dead.number)
+        assert rerun.state == TrialState.COMPLETE
+        assert min(rerun.intermediate_values) > 2  # continued from a checkpoint, not from step 1
+        config = {**rerun.user_attrs["config"], "trial_id": "alone"}
+        alone = PackedJob(make_spec(tiny_llama_dir, *toy_data, tmp_path / "alone"),
+                          [ls.TrialConfig.from_dict(config)], progress=False)
+        last = [e for e in alone.run() if isinstance(e, Finished)][0]
+        assert rerun.value == last.metrics["eval_loss"]
+
+
+@pytest.mark.slow
 def test_two_workers_on_one_journal_never_train_a_trial_twice(tiny_llama_dir, toy_data, tmp_path):
     journal = str(tmp_path / "journal.log")
     workers = [start_worker(tmp_path, journal, name, 8, 10, tiny_llama_dir, toy_data) for name in ("a", "b")]
@@ -390,7 +440,7 @@ def worker_main(args: dict) -> None:
                                 sampler=optuna.samplers.TPESampler(constant_liar=True))
     spec = ls.JobSpec(base_model=args["model"], train_data=os.path.join(args["data"], "train.jsonl"),
                       eval_data=os.path.join(args["data"], "eval.jsonl"), max_seq_len=32, eval_every=1,
-                      output_dir=args["output"])
+                      output_dir=args["output"], checkpoint_every=args.get("checkpoint_every"))
     sampler = PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": args["max_steps"], "batch_size": 2},
                                 max_concurrent=2, heartbeat_interval=1.0)
 

@@ -57,9 +57,9 @@ def job_log(monkeypatch):
             log["jobs"] += 1
             super().__init__(*args, **kwargs)
 
-        def add_trial(self, cfg):
+        def add_trial(self, cfg, state=None):
             log["joins"].append((len(self.step_stats), len(self.trials)))
-            return super().add_trial(cfg)
+            return super().add_trial(cfg, state=state)
 
     monkeypatch.setattr(lso, "PackedJob", CountingJob)
     return log

@@ -17,9 +17,9 @@ it finishes or fails (the engine's events); Tune stops, pauses or fails it (`exe
 in Tune's driver); its proxy ends (the proxy's `finally`); its proxy dies without a `finally`
 (the process killed, the node lost), so its lease is not renewed and expires.
 
-A paused trial that Tune resumes from its checkpoint joins again and is retrained from step 0
-(deterministically), reporting only the steps after the checkpoint's: the engine cannot
-restore an adapter's optimizer state yet.
+Every checkpoint holds the adapter in PEFT format plus the engine's training state (weights,
+AdamW moments, data cursor), so a trial that Tune pauses and resumes, or that
+`Tuner.restore` / `tune.run(resume=...)` brings back, continues exactly where it was.
 
 Example:
 
@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -69,6 +70,7 @@ __all__ = ["PackServer", "PackedExecutor", "TrialFailed", "NAMESPACE"]
 
 NAMESPACE = "lora_sweep"  # Ray namespace of the named pack-server actors
 STEP_FILE = "lora_sweep_step.json"  # beside the PEFT files in every checkpoint: the step it was taken at
+STATE_FILE = "lora_sweep_state.pt"  # and the engine's training state of the adapter, to resume it exactly
 
 
 class TrialFailed(RuntimeError):
@@ -154,13 +156,15 @@ class PackServer:
 
     # ------------------------------------------------------------------ called by proxies and Tune
 
-    def try_join(self, config: dict, proxy: Optional[dict] = None, resume_step: int = 0) -> tuple[str, str]:
+    def try_join(self, config: dict, proxy: Optional[dict] = None, resume_step: int = 0,
+                 state: Optional[bytes] = None) -> tuple[str, str]:
         """Admit a trial if the job has room: ("joined", ticket), ("full", "") or ("invalid",
         message) when the config cannot work with this model.
 
-        A trial that Tune paused and now resumes joins again from step 0 with `resume_step`,
-        the step of the checkpoint Tune resumes it from: the engine retrains it
-        deterministically and only the reports after that step go to Tune."""
+        A trial that Tune paused (or `Tuner.restore` brings back) joins again with `resume_step`,
+        the step of the checkpoint Tune resumes it from, and that checkpoint's engine `state`:
+        it continues exactly from there. Without a state it retrains deterministically from
+        step 0, and only the reports after `resume_step` go to Tune."""
         cfg = TrialConfig.from_dict(config)
         tune_id = cfg.trial_id
         with self._cond:
@@ -179,9 +183,9 @@ class PackServer:
             self._slots[cfg.trial_id] = _Slot(cfg, tune_id, time.monotonic() + self.lease_seconds, resume_step)
             self._tickets[tune_id] = cfg.trial_id
             self._joins[tune_id] = joins + 1
-            self.job.add_trial(cfg)
+            self.job.add_trial(cfg, state=None if state is None else _load_state(state))
             self._record("join", tune_id, pack_mates=pack_mates, config={**cfg.to_dict(), "trial_id": tune_id},
-                         resume_step=resume_step, proxy=proxy or {})
+                         resume_step=resume_step, from_state=state is not None, proxy=proxy or {})
             self._cond.notify_all()
         return "joined", cfg.trial_id
 
@@ -301,9 +305,14 @@ class PackServer:
         # Runs between steps in the training thread, so the weights are not moving.
         path = tempfile.mkdtemp(prefix="lora_sweep_ckpt_")
         try:
-            return _read_dir(self.job.save_adapter(ticket, path))
+            files = _read_dir(self.job.save_adapter(ticket, path))
         finally:
             shutil.rmtree(path, ignore_errors=True)
+        import torch  # pack servers hold the engine; proxies never import torch
+
+        state = io.BytesIO()
+        torch.save(self.job.trial_state(ticket), state)
+        return {**files, STATE_FILE: state.getvalue()}
 
     # ------------------------------------------------------------------ leases
 
@@ -404,7 +413,7 @@ def _run_trial(config: dict, settings: _ProxySettings) -> None:
     trial_id = tune.get_context().get_trial_id()
     cfg = TrialConfig.from_dict(config, trial_id=trial_id)  # a bad value: ConfigError, the trial is ERROR
     servers = [ray.get_actor(name, namespace=NAMESPACE) for name in settings.server_names]
-    server, ticket = _join_a_pack(servers, cfg, _resume_step(tune.get_checkpoint()), settings.poll_seconds)
+    server, ticket = _join_a_pack(servers, cfg, *_resume_point(tune.get_checkpoint()), settings.poll_seconds)
     heartbeat = _Heartbeat(server, ticket, settings.heartbeat_seconds)
     try:
         while True:
@@ -422,7 +431,8 @@ def _run_trial(config: dict, settings: _ProxySettings) -> None:
             logger.warning("trial %s could not leave its pack; its lease will expire", trial_id)
 
 
-def _join_a_pack(servers: list, cfg: TrialConfig, resume_step: int, poll_seconds: float) -> tuple[Any, str]:
+def _join_a_pack(servers: list, cfg: TrialConfig, resume_step: int, state: Optional[bytes],
+                 poll_seconds: float) -> tuple[Any, str]:
     """Register the trial with the least loaded pack server that admits it; wait while all
     are full. Returns the server and the ticket of this stay."""
     proxy = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
@@ -430,7 +440,7 @@ def _join_a_pack(servers: list, cfg: TrialConfig, resume_step: int, poll_seconds
         loads = ray.get([s.load.remote() for s in servers])
         order = sorted(range(len(servers)), key=lambda i: (loads[i][0] / loads[i][1], random.random()))
         for i in order:
-            status, detail = ray.get(servers[i].try_join.remote(cfg.to_dict(), proxy, resume_step))
+            status, detail = ray.get(servers[i].try_join.remote(cfg.to_dict(), proxy, resume_step, state))
             if status == "joined":
                 return servers[i], detail
             if status == "invalid":
@@ -453,21 +463,28 @@ def _report(message: _Message) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _resume_step(checkpoint) -> int:
-    """The step of the checkpoint Tune restores a paused trial from (0 for a new trial).
+def _load_state(data: bytes) -> dict:
+    import torch
 
-    The engine cannot restore an adapter's optimizer state yet, so a resumed trial trains
-    again from step 0 (deterministically: same seed, same data order) and only the reports
-    after this step reach Tune.
-    """
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _resume_point(checkpoint) -> tuple[int, Optional[bytes]]:
+    """The step of the checkpoint Tune resumes a trial from and the engine state saved in it
+    ((0, None) for a new trial). A checkpoint without a state (``checkpoint_every_report=False``
+    gives only final ones) means retraining from step 0, deterministically."""
     if checkpoint is None:
-        return 0
+        return 0, None
     with checkpoint.as_directory() as path:
-        step_file = os.path.join(path, STEP_FILE)
+        step_file, state_file = os.path.join(path, STEP_FILE), os.path.join(path, STATE_FILE)
         if not os.path.exists(step_file):
-            return 0
+            return 0, None
         with open(step_file) as f:
-            return int(json.load(f)["step"])
+            step = int(json.load(f)["step"])
+        if not os.path.exists(state_file):
+            return step, None
+        with open(state_file, "rb") as f:
+            return step, f.read()
 
 
 class _Heartbeat:

@@ -229,8 +229,8 @@ class PauseOnce(FIFOScheduler):
 
 
 def test_paused_trials_resume_where_tune_left_them(executor, spec, tmp_path):
-    """The engine cannot restore an adapter's optimizer yet, so the pack retrains a resumed
-    adapter from step 0 (deterministically) and Tune only sees the steps after its checkpoint."""
+    """A resumed trial continues from the engine state in its Tune checkpoint (no retraining),
+    Tune sees each step once, and the result equals the engine alone."""
     start = time.time()
     scheduler = PauseOnce()
     analysis = executor.run(config=trial(learning_rate=tune.grid_search([1e-2, 3e-3])), scheduler=scheduler,
@@ -239,7 +239,7 @@ def test_paused_trials_resume_where_tune_left_them(executor, spec, tmp_path):
     assert all(t.status == "TERMINATED" for t in analysis.trials)
     resumes = [e for e in executor.history() if e["time"] > start and e["event"] == "join" and e["resume_step"]]
     assert sorted(e["trial_id"] for e in resumes) == sorted(t.trial_id for t in analysis.trials)
-    assert all(e["resume_step"] == 10 for e in resumes)
+    assert all(e["resume_step"] == 10 and e["from_state"] for e in resumes)
     for t in analysis.trials:
         assert list(analysis.trial_dataframes[t.trial_id]["step"]) == [5, 10, 15, 20]  # none twice, none missing
         job = PackedJob(spec, [ls.TrialConfig.from_dict(t.config)], progress=False)

@@ -430,6 +430,7 @@ class _JobFeeder:
         if jobs[self.index] is None:
             spec = dataclasses.replace(self.sampler._spec, device=self.sampler._devices[self.index])
             jobs[self.index] = PackedJob(spec, progress=False)
+            jobs[self.index].memory_model = self.sampler._admission.cost_model  # corrected by OOMs
         return jobs[self.index]
 
     def run(self) -> None:
@@ -484,7 +485,7 @@ class _JobFeeder:
             running = [f.cfg for f in self.in_flight.values()]
             if running and self.job.waiting:
                 return  # the job ran out of memory and moved trials out: no newcomer until they are back
-            if not self.sampler._admission.admits(running, cfg):
+            if not self.sampler._admission.admits(running, cfg, self.job.memory_model):
                 if running:
                     return  # it waits for a trial to leave
                 self.waiting = None
@@ -677,14 +678,16 @@ class _Admission:
             return
         self._admit = admit
 
-    def admits(self, running: Sequence[TrialConfig], cfg: TrialConfig) -> bool:
+    def admits(self, running: Sequence[TrialConfig], cfg: TrialConfig, cost_model=None) -> bool:
+        """`cost_model`: the job's own, as corrected by its out-of-memory errors (default: ours)."""
+        cost_model = cost_model or self.cost_model
         if len(running) >= self.max_concurrent:
             return False
-        if self.cost_model is None:
+        if cost_model is None:
             return True
-        if not running and not self.cost_model.fits([cfg]):
+        if not running and not cost_model.fits([cfg]):
             return False
-        return bool(self._admit(running, [cfg], self.cost_model, max_adapters=self.max_concurrent))
+        return bool(self._admit(running, [cfg], cost_model, max_adapters=self.max_concurrent))
 
     def why_not(self, cfg: TrialConfig) -> str:
         """Why a trial cannot run even alone (the cost model's message)."""

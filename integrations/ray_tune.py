@@ -143,7 +143,7 @@ class PackServer:
         self.max_adapters = max_adapters
         self.lease_seconds = lease_seconds
         self.checkpoint_every_report = checkpoint_every_report
-        self._memory_model = _memory_model(spec, self.job.device)
+        self.job.memory_model = _memory_model(spec, self.job.device)  # the engine corrects it on OOM
         self._slots: dict[str, _Slot] = {}  # ticket -> slot
         self._tickets: dict[str, str] = {}  # Tune's trial id -> the ticket of its current stay
         self._joins: dict[str, int] = {}  # Tune's trial id -> how often it joined
@@ -337,14 +337,14 @@ class PackServer:
         running = [self._slots[t].cfg for t in self._in_job()]
         if len(running) >= self.max_adapters:
             return False
-        if self._memory_model is None:
+        if self.job.memory_model is None:
             return True
         from ..planner import admit
 
-        if admit(running, [cfg], self._memory_model):
+        if admit(running, [cfg], self.job.memory_model):
             return True
         if not running:  # it does not fit even alone: it never will
-            self._memory_model.check_trial(cfg, 1)  # raises a ConfigError naming the memory it needs
+            self.job.memory_model.check_trial(cfg, 1)  # raises a ConfigError naming the memory it needs
         return False
 
     def _finish(self, ticket: str, message: _Message) -> None:

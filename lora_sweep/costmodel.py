@@ -548,6 +548,31 @@ class CostModel:
         """
         return self.peak_memory(*self._totals(trials, for_time=False), num_gpus)
 
+    def after_out_of_memory(self, trials: Sequence[TrialConfig], num_gpus: int = 1) -> "CostModel":
+        """A copy corrected by a job of `trials` that ran out of memory: if the model predicted
+        that they fit, its activation terms are scaled up (5% past the capacity) so that they no
+        longer do. Admission then stops short of that pack.
+
+        Args:
+            trials:
+                The trials of the job that ran out of memory.
+            num_gpus:
+                GPUs of the job.
+
+        Returns:
+            The corrected model (this one if it already predicted the failure).
+        """
+        terms = self.memory_terms(*self._totals(trials, for_time=False), num_gpus)
+        activations = terms["base_activations"] + terms["lora_activations"]
+        room = self.capacity_bytes - (sum(terms.values()) - activations)
+        if activations <= 0 or room <= 0 or sum(terms.values()) > self.capacity_bytes:
+            return self
+        factor = 1.05 * room / activations  # the activations now fill the room left, and 5% more
+        cal = dataclasses.replace(self.calibration, source=f"{self.calibration.source}, corrected by an out of memory",
+                                  base_activation_scale=self.calibration.base_activation_scale * factor,
+                                  lora_activation_scale=self.calibration.lora_activation_scale * factor)
+        return dataclasses.replace(self, calibration=cal)
+
     def fits(self, trials: Sequence[TrialConfig], num_gpus: int = 1) -> bool:
         """Whether `trials` packed on `num_gpus` stay within the load factor of each GPU's memory."""
         return self.memory_per_gpu(trials, num_gpus) <= self.capacity_bytes

@@ -187,6 +187,9 @@ class PackedJob:
                                               "eval_data")[: spec.max_eval_samples]
         # Microbatch cap in padded tokens; lowered when a step runs out of memory.
         self.microbatch_tokens: Optional[int] = spec.max_tokens_per_microbatch
+        # The planner's memory model of this job, if a tuner integration admits trials with it;
+        # an out-of-memory step corrects it (CostModel.after_out_of_memory).
+        self.memory_model = None
         # Test hook: simulated_oom(padded_tokens, active_adapters) -> True raises, for that
         # microbatch, the error a CUDA out-of-memory raises.
         self.simulated_oom: Optional[Callable[[int, int], bool]] = None
@@ -445,6 +448,8 @@ class PackedJob:
                 self.segments.clear()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
+                if self.memory_model is not None and len(self.active) > 1:  # the pack was too big
+                    self.memory_model = self.memory_model.after_out_of_memory(list(self.trials.values()))
                 largest = max(self._padded_tokens(parts) for parts in plan)
                 if max(len(parts) for parts in plan) == 1 and all(len(p[0][1]) == 1 for p in plan):
                     raise _DoesNotFit from None

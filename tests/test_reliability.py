@@ -170,3 +170,18 @@ def test_a_trial_state_continues_exactly_in_another_job_under_another_id(tiny_ll
     got = load_file(f"{second.finished['b-rerun']}/adapter_model.safetensors")
     for k, v in unsplit[0]["b"].items():
         assert torch.equal(got[k], v), k
+
+
+def test_out_of_memory_corrects_the_jobs_memory_model(tiny_llama_dir, toy_data, tmp_path):
+    from lora_sweep.costmodel import CostModel
+
+    spec = make_spec(tiny_llama_dir, toy_data, tmp_path / "oom-model", eval_every=2)
+    job = PackedJob(spec, trials(), progress=False)
+    job.memory_model = CostModel.from_model(spec, gpu="h100-sxm", gpu_memory_gb=0.05)
+    assert job.memory_model.fits(trials())  # the model thinks they fit ...
+    job.simulated_oom = lambda padded_tokens, adapters: padded_tokens > 100  # ... the device disagrees
+    events = list(job.run())
+    assert sorted(e.trial_id for e in events if isinstance(e, Finished)) == ["a", "b", "c"]
+    assert not job.memory_model.fits(trials())  # corrected from what was seen
+    assert job.memory_model.fits(trials()[:1])  # a smaller pack still fits
+    assert "out of memory" in job.memory_model.calibration.source

@@ -19,6 +19,7 @@ from collections import Counter
 import optuna
 import pytest
 import torch
+from safetensors.torch import load_file
 from optuna.distributions import FloatDistribution, IntDistribution
 from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
@@ -389,6 +390,9 @@ def check_reruns(study, killed, tiny_llama_dir, toy_data, tmp_path):
                           [ls.TrialConfig.from_dict(config)], progress=False)
         last = [e for e in alone.run() if isinstance(e, Finished)][0]
         assert rerun.value == last.metrics["eval_loss"]
+        got = load_file(os.path.join(rerun.user_attrs["adapter_dir"], "adapter_model.safetensors"))
+        want = load_file(os.path.join(last.adapter_dir, "adapter_model.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
 
 @pytest.mark.slow

@@ -105,7 +105,7 @@ RUNNER = textwrap.dedent("""
                              gradient_accumulation_steps=2),
               ls.TrialConfig(rank=4, learning_rate=3e-3, batch_size=1, max_steps=3, seed=4, trial_id="short")]
     spec = ls.JobSpec(base_model=model_dir, train_data=json.load(open(data)), max_seq_len=32, eval_every=1,
-                      checkpoint_every=2, output_dir=out)
+                      checkpoint_every=int(sys.argv[4]) if len(sys.argv) > 4 else 2, output_dir=out)
     job = PackedJob(spec, trials, progress=False)
     for e in job.run():
         print(type(e).__name__, e.trial_id, e.step, flush=True)
@@ -185,3 +185,22 @@ def test_out_of_memory_corrects_the_jobs_memory_model(tiny_llama_dir, toy_data, 
     assert not job.memory_model.fits(trials())  # corrected from what was seen
     assert job.memory_model.fits(trials()[:1])  # a smaller pack still fits
     assert "out of memory" in job.memory_model.calibration.source
+
+
+def test_sigterm_checkpoints_every_adapter_and_a_restart_resumes(tiny_llama_dir, toy_data, tmp_path):
+    script, data = tmp_path / "runner.py", tmp_path / "train.json"
+    script.write_text(RUNNER)
+    data.write_text(json.dumps(toy_data[0]))
+    # checkpoint_every=1000: the only checkpoints are the ones SIGTERM writes
+    run = [sys.executable, str(script), tiny_llama_dir, str(data), str(tmp_path / "out"), "1000"]
+    proc = subprocess.Popen(run, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("Report b 5"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGTERM  # it still exits as asked
+    assert {p.name for p in (tmp_path / "out" / "checkpoints").iterdir()} >= {"a.pt", "b.pt"}
+    resumed = subprocess.run(run, capture_output=True, text=True, check=True).stdout.splitlines()
+    first_b = next(line for line in resumed if line.startswith("Report b "))
+    assert int(first_b.split()[-1]) > 5  # continued after the SIGTERM checkpoint

@@ -413,7 +413,8 @@ class PackedJob:
             if not math.isfinite(n) and a.trial_id not in bad:
                 bad[a.trial_id] = f"non-finite gradient norm ({n}) at step {a.step + 1}"
         ok = [a for a in stepping if a.trial_id not in bad]
-        self.optimizer.step([a.trial_id for a in ok], [n for a, n in zip(stepping, norm_values) if a in ok])
+        self.optimizer.step([a.trial_id for a in ok],
+                            [n for a, n in zip(stepping, norm_values) if a.trial_id not in bad])
         self.optimizer.zero_grad([a.trial_id for a in ok])
 
         seconds = time.perf_counter() - t0

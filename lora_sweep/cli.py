@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=60, help="optimizer steps per trial (default 60)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random search (default 0)")
     demo.add_argument("--output-dir", default="lora_sweep_runs/demo", help="where adapters are saved")
+    demo.add_argument("--model", help="hub id or local dir of the base model (default: the bundled tiny model)")
+    demo.add_argument("--train", help="training rows, .jsonl or .json (default: the bundled tiny task)")
+    demo.add_argument("--eval", help="evaluation rows, .jsonl or .json (default: the bundled tiny task)")
+    demo.add_argument("--max-seq-len", type=int, help="default 24 for the tiny task, else 512")
     demo.set_defaults(func=_demo)
 
     run = commands.add_parser("run", help="train the trials of a sweep file")
@@ -238,14 +242,18 @@ def _demo(args: argparse.Namespace) -> int:
     from .engine import Failed, Finished, PackedJob
     from .tiny import tiny_model_path, tiny_task_paths
 
+    tiny = args.model is None
     train, dev = tiny_task_paths()
-    spec = JobSpec(base_model=tiny_model_path(), train_data=train, eval_data=dev, max_seq_len=24,
-                   eval_every=max(1, args.steps // 3), output_dir=args.output_dir, device="cpu")
+    spec = JobSpec(base_model=args.model or tiny_model_path(), train_data=args.train or train,
+                   eval_data=args.eval or (dev if args.train is None else None),
+                   max_seq_len=args.max_seq_len or (24 if tiny else 512), eval_every=max(1, args.steps // 3),
+                   output_dir=args.output_dir, device="cpu" if tiny else "auto")
     trials = random_configs(DEMO_SPACE, args.trials, seed=args.seed,
                             defaults={"max_steps": args.steps, "dropout": 0.05})
     for i, t in enumerate(trials):
         t.trial_id = f"trial-{i}"
-    print(f"Training {len(trials)} LoRA trials packed on one tiny base model ({args.steps} steps each)...")
+    print(f"Training {len(trials)} LoRA trials packed on one base model, {spec.model_name} "
+          f"({args.steps} steps each)...")
     job = PackedJob(spec, trials)
     results = {}
     for event in job.run():
@@ -255,19 +263,20 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"  {event.trial_id} failed: {event.reason}")
 
     by_id = {t.trial_id: t for t in trials}
-    ranked = sorted(results.values(), key=lambda e: e.metrics["eval_loss"])
-    print(_table(["trial", "rank", "alpha", "lr", "batch", "eval loss", "tokens/s"],
+    metric = "eval_loss" if spec.eval_data is not None else "train_loss"
+    ranked = sorted(results.values(), key=lambda e: e.metrics[metric])
+    print(_table(["trial", "rank", "alpha", "lr", "batch", metric.replace("_", " "), "tokens/s"],
                  [[e.trial_id, by_id[e.trial_id].rank, f"{by_id[e.trial_id].alpha:g}",
                    f"{by_id[e.trial_id].learning_rate:.2e}", by_id[e.trial_id].batch_size,
-                   f"{e.metrics['eval_loss']:.3f}", f"{e.metrics['tokens_per_second']:,.0f}"] for e in ranked]))
+                   f"{e.metrics[metric]:.3f}", f"{e.metrics['tokens_per_second']:,.0f}"] for e in ranked]))
     if not ranked:
         return 1
     best = os.path.join(args.output_dir, "best_adapter")
     shutil.copytree(ranked[0].adapter_dir, best, dirs_exist_ok=True)
-    print(f"\nBest: {ranked[0].trial_id} (eval loss {ranked[0].metrics['eval_loss']:.3f}, worst "
-          f"{ranked[-1].metrics['eval_loss']:.3f}). Its PEFT adapter is in {best}:\n"
+    print(f"\nBest: {ranked[0].trial_id} ({metric.replace('_', ' ')} {ranked[0].metrics[metric]:.3f}, worst "
+          f"{ranked[-1].metrics[metric]:.3f}). Its PEFT adapter is in {best}:\n"
           f"  from peft import PeftModel\n"
-          f"  model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({tiny_model_path()!r}), {best!r})")
+          f"  model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({spec.model_name!r}), {best!r})")
     return 0
 
 

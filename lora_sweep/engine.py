@@ -80,6 +80,11 @@ Event = Union[Report, Finished, Failed]
 RESULT_FILE = "lora_sweep_result.json"  # beside a finished adapter: its config, last step and metrics
 
 
+def _file_name(trial_id: str) -> str:
+    """A trial id made safe as a file or directory name."""
+    return re.sub(r"[^\w.-]", "_", trial_id)
+
+
 def _same_config(saved: dict, cfg: TrialConfig) -> bool:
     """Whether a saved state's config is `cfg`'s, whatever the trial_id (a tuner may rerun a
     trial under a new id)."""
@@ -309,11 +314,16 @@ class PackedJob:
             self._bar.total += cfg.max_steps - adapter.step
             self._bar.refresh()
 
-    def _drop(self, trial_id: str) -> None:
+    def _detach(self, trial_id: str) -> None:
+        """Take a trial's adapter out of every layer and the optimizer."""
         adapter = self.active.pop(trial_id)
         for name in adapter.modules:
             self.layers[name].delete_adapter(adapter.key)
         self.optimizer.remove(trial_id)
+
+    def _drop(self, trial_id: str) -> None:
+        """A trial leaves for good (finished, failed, removed); a waiting one takes its room."""
+        self._detach(trial_id)
         if self.waiting:  # memory was freed: an adapter moved out after an OOM comes back
             snapshot = self.waiting.popleft()
             self._join(TrialConfig.from_dict(snapshot["config"]), snapshot)
@@ -546,12 +556,8 @@ class PackedJob:
             return
         logger.warning("out of memory with one sample per microbatch: trial %s moves out of the job until "
                        "another trial leaves", adapter.trial_id)
-        snapshot = self._snapshot(adapter)
-        self.active.pop(adapter.trial_id)
-        for name in adapter.modules:
-            self.layers[name].delete_adapter(adapter.key)
-        self.optimizer.remove(adapter.trial_id)
-        self.waiting.append(snapshot)
+        self.waiting.append(self._snapshot(adapter))
+        self._detach(adapter.trial_id)
         self.evictions += 1
 
     def _after_optimizer_step(self, stepped: list[_Adapter]) -> None:
@@ -651,10 +657,10 @@ class PackedJob:
     # ------------------------------------------------------------------ saving
 
     def _adapter_dir(self, trial_id: str) -> str:
-        return os.path.join(self.spec.output_dir, "adapters", re.sub(r"[^\w.-]", "_", trial_id))
+        return os.path.join(self.spec.output_dir, "adapters", _file_name(trial_id))
 
     def _checkpoint_path(self, trial_id: str) -> str:
-        return os.path.join(self.spec.output_dir, "checkpoints", re.sub(r"[^\w.-]", "_", trial_id) + ".pt")
+        return os.path.join(self.spec.output_dir, "checkpoints", _file_name(trial_id) + ".pt")
 
     def _snapshot(self, a: _Adapter) -> dict:
         """Everything an adapter needs to continue exactly: weights, AdamW moments, data cursor

@@ -153,12 +153,18 @@ def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, **spec_kw
     return result
 
 
-def time_peft(model, cfg, rows, seq_len, warmup: int, steps: int) -> dict:
-    """Median step time of one adapter trained alone with PEFT, the same samples."""
-    job = ls.PackedJob(spec_for(model, rows, seq_len), [], progress=False)  # tokenised the same way
+def tokenized(model, rows, seq_len):
+    """The samples and pad id of `rows` exactly as a packed job tokenises them, for the PEFT side."""
+    job = ls.PackedJob(spec_for(model, rows, seq_len), [], progress=False)
     samples, pad_id = job.train_samples, job.pad_id
     del job
     strip_adapters(model)
+    return samples, pad_id
+
+
+def time_peft(model, cfg, rows, seq_len, warmup: int, steps: int) -> dict:
+    """Median step time of one adapter trained alone with PEFT, the same samples."""
+    samples, pad_id = tokenized(model, rows, seq_len)
     peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
     marks, tokens = [], []
 
@@ -316,10 +322,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens) -> dict:
         strip_adapters(model)
     torch.cuda.synchronize()
     measured_packed = time.perf_counter() - t0
-    job = ls.PackedJob(spec_for(model, rows, seq), [], progress=False)
-    samples, pad_id = job.train_samples, job.pad_id
-    del job
-    strip_adapters(model)
+    samples, pad_id = tokenized(model, rows, seq)
     t0 = time.perf_counter()
     for cfg in subset:
         peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")

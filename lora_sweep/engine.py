@@ -468,8 +468,7 @@ class PackedJob:
                 logger.warning("out of memory at %d padded tokens per microbatch; retrying the step with "
                                "microbatches of at most %d", largest, self.microbatch_tokens)
         for i, adapter_grads in grads.items():
-            for p, g in zip(self.optimizer.adapters[adapters[i].trial_id].params, adapter_grads):
-                p.grad = g if p.grad is None else p.grad.add_(g)
+            self.optimizer.add_grads(adapters[i].trial_id, adapter_grads)
         return sums, counts, plan
 
     def _run_microbatches(self, adapters, plan, counts, accum):
@@ -665,13 +664,12 @@ class PackedJob:
     def _snapshot(self, a: _Adapter) -> dict:
         """Everything an adapter needs to continue exactly: weights, AdamW moments, data cursor
         and counters (dropout masks and data order are functions of those, so no RNG state)."""
-        params = self.optimizer.adapters[a.trial_id].params
         return {
             "config": a.cfg.to_dict(),
             "weights": {name: {"lora_A": self.layers[name].lora_A[a.key].weight.detach().cpu().clone(),
                                "lora_B": self.layers[name].lora_B[a.key].weight.detach().cpu().clone()}
                         for name in a.modules},
-            "grads": [None if p.grad is None else p.grad.detach().cpu().clone() for p in params],
+            "grad": self.optimizer.adapters[a.trial_id].grad.detach().cpu().clone(),
             "optimizer": self.optimizer.state_dict(a.trial_id),
             "stream": a.stream.state(),
             "counters": {"micro_steps": a.micro_steps, "step": a.step, "tokens": a.tokens, "seconds": a.seconds,
@@ -683,8 +681,7 @@ class PackedJob:
             for name, w in snapshot["weights"].items():
                 self.layers[name].lora_A[a.key].weight.copy_(w["lora_A"])
                 self.layers[name].lora_B[a.key].weight.copy_(w["lora_B"])
-        for p, g in zip(self.optimizer.adapters[a.trial_id].params, snapshot["grads"]):
-            p.grad = None if g is None else g.to(p.device)
+            self.optimizer.adapters[a.trial_id].grad.copy_(snapshot["grad"])
         self.optimizer.load_state_dict(a.trial_id, snapshot["optimizer"])
         a.stream.load_state(snapshot["stream"])
         c = snapshot["counters"]

@@ -33,6 +33,8 @@ def save_peft_adapter(path: str, cfg: TrialConfig, weights: dict[str, torch.Tens
         base_model_name_or_path=base_model_name,
     )
     config.save_pretrained(path)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    # copies: the weights are views into one buffer per adapter, and safetensors refuses
+    # tensors that share memory
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
     return path

@@ -1,10 +1,12 @@
 """AdamW and gradient clipping over every adapter's tensors at once.
 
 Each adapter keeps its own learning rate, schedule, weight decay, step count and clipping
-norm, but the update runs as a handful of `torch._foreach_*` calls over all adapters'
-tensors together (per-tensor scalar lists carry the per-adapter values), not a Python loop
-over adapters. The arithmetic is `torch.optim.AdamW`'s foreach path, term for term, so an
-adapter updated here matches one updated alone by torch's AdamW.
+norm. Its weights live in one flat buffer (each layer's `lora_A`/`lora_B` weight is a view
+into it), and so do its gradient and its two AdamW moments. The update is then a handful of
+`torch._foreach_*` calls over one tensor per adapter, with per-adapter scalar lists: a
+packed job of 32 adapters on a 16-layer model steps 32 tensors, not 7,000. The arithmetic is
+`torch.optim.AdamW`'s foreach path, term for term, so an adapter updated here matches one
+updated alone by torch's AdamW.
 """
 
 from __future__ import annotations
@@ -35,18 +37,34 @@ def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int],
 
 @dataclass
 class AdapterOptState:
+    """One adapter's weights, gradient and AdamW moments, each one flat buffer. `params` are
+    views into `flat` (its layers' weights); each param's `.grad` is a view into `grad`."""
+
     params: list[torch.Tensor]
     lr: float
     schedule: Callable[[int], float]
     weight_decay: float
     max_grad_norm: float | None
-    exp_avg: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_sq: list[torch.Tensor] = field(default_factory=list)
+    flat: torch.Tensor = None
+    grad: torch.Tensor = None
+    exp_avg: torch.Tensor = None
+    exp_avg_sq: torch.Tensor = None
     step: int = 0  # optimizer steps taken
 
     def __post_init__(self):
-        self.exp_avg = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
+        # Move the weights into one buffer; the Parameter objects (and the layers holding
+        # them) stay the same, only their storage changes.
+        with torch.no_grad():
+            self.flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.grad = torch.zeros_like(self.flat)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.data = self.flat[offset:offset + n].view_as(p)
+            p.grad = self.grad[offset:offset + n].view_as(p)
+            offset += n
+        self.exp_avg = torch.zeros_like(self.flat)
+        self.exp_avg_sq = torch.zeros_like(self.flat)
 
     @property
     def current_lr(self) -> float:
@@ -63,6 +81,8 @@ class PackedAdamW:
 
     def add(self, name: str, params: list[torch.Tensor], lr: float, schedule: Callable[[int], float],
             weight_decay: float, max_grad_norm: float | None) -> None:
+        """Take over an adapter's parameters: from here on their storage is one flat buffer
+        and their `.grad` views of a flat gradient, zero until a backward adds to it."""
         self.adapters[name] = AdapterOptState(list(params), lr, schedule, weight_decay, max_grad_norm or None)
 
     def remove(self, name: str) -> None:
@@ -70,14 +90,7 @@ class PackedAdamW:
 
     def grad_norms(self, names: list[str]) -> torch.Tensor:
         """Each adapter's total gradient L2 norm, [len(names)], one foreach pass."""
-        grads, owner = [], []
-        for i, name in enumerate(names):
-            for p in self.adapters[name].params:
-                grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
-                owner.append(i)
-        norms = torch.stack(torch._foreach_norm(grads)).float()  # (tensors,)
-        index = torch.tensor(owner, device=norms.device)
-        return torch.zeros(len(names), device=norms.device).index_add_(0, index, norms.square()).sqrt()
+        return torch.stack(torch._foreach_norm([self.adapters[n].grad for n in names])).float()
 
     def step(self, names: list[str], norms: list[float]) -> None:
         """Clip each adapter by its own norm (host values of `grad_norms`, which the engine
@@ -85,24 +98,17 @@ class PackedAdamW:
         if not names:
             return
         states = [self.adapters[n] for n in names]
-        params, grads, exp_avg, exp_avg_sq = [], [], [], []
         clip, decay, step_size, bc2_sqrt = [], [], [], []
         for s, norm in zip(states, norms):
             # as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1
-            coef = min(1.0, s.max_grad_norm / (norm + 1e-6)) if s.max_grad_norm else 1.0
+            clip.append(min(1.0, s.max_grad_norm / (norm + 1e-6)) if s.max_grad_norm else 1.0)
             lr = s.current_lr
             s.step += 1
-            bias_correction1 = 1 - self.beta1 ** s.step
-            bias_correction2 = 1 - self.beta2 ** s.step
-            for p, m, v in zip(s.params, s.exp_avg, s.exp_avg_sq):
-                params.append(p)
-                grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
-                exp_avg.append(m)
-                exp_avg_sq.append(v)
-                clip.append(coef)
-                decay.append(1 - lr * s.weight_decay)
-                step_size.append(-(lr / bias_correction1))
-                bc2_sqrt.append(math.sqrt(bias_correction2))
+            decay.append(1 - lr * s.weight_decay)
+            step_size.append(-(lr / (1 - self.beta1 ** s.step)))
+            bc2_sqrt.append(math.sqrt(1 - self.beta2 ** s.step))
+        params, grads = [s.flat for s in states], [s.grad for s in states]
+        exp_avg, exp_avg_sq = [s.exp_avg for s in states], [s.exp_avg_sq for s in states]
 
         with torch.no_grad():
             if any(c != 1.0 for c in clip):
@@ -117,18 +123,21 @@ class PackedAdamW:
             torch._foreach_add_(denom, self.eps)
             torch._foreach_addcdiv_(params, exp_avg, denom, step_size)
 
+    def add_grads(self, name: str, grads: list[torch.Tensor]) -> None:
+        """Add one gradient per parameter (in `params` order) to the adapter's gradient."""
+        torch._foreach_add_([p.grad for p in self.adapters[name].params], grads)
+
     def zero_grad(self, names: list[str]) -> None:
         for n in names:
-            for p in self.adapters[n].params:
-                p.grad = None
+            self.adapters[n].grad.zero_()
 
     def state_dict(self, name: str) -> dict:
         s = self.adapters[name]
-        return {"step": s.step, "exp_avg": [t.detach().cpu() for t in s.exp_avg],
-                "exp_avg_sq": [t.detach().cpu() for t in s.exp_avg_sq]}
+        return {"step": s.step, "exp_avg": s.exp_avg.detach().cpu().clone(),
+                "exp_avg_sq": s.exp_avg_sq.detach().cpu().clone()}
 
     def load_state_dict(self, name: str, state: dict) -> None:
         s = self.adapters[name]
         s.step = int(state["step"])
-        for dst, src in zip(s.exp_avg + s.exp_avg_sq, state["exp_avg"] + state["exp_avg_sq"]):
-            dst.copy_(src)
+        s.exp_avg.copy_(state["exp_avg"])
+        s.exp_avg_sq.copy_(state["exp_avg_sq"])

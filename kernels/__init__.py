@@ -24,6 +24,23 @@ from .reference import Seeds, reference_multi_lora_linear
 _warned_no_triton = False
 
 
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether `multi_lora_linear` runs the Triton kernels for `x`: on CUDA, unless
+    `LORA_SWEEP_KERNELS=torch` or Triton is not installed."""
+    global _warned_no_triton
+    if not x.is_cuda or os.environ.get("LORA_SWEEP_KERNELS", "") == "torch":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if not _warned_no_triton:
+            warnings.warn("Triton is not installed (`pip install lora-sweep[triton]`): "
+                          "using the torch reference of the multi-LoRA linear.")
+            _warned_no_triton = True
+        return False
+    return True
+
+
 def multi_lora_linear(
     x: torch.Tensor,  # [tokens, in], adapters' rows contiguous in adapter order
     weight: torch.Tensor,  # [out, in], frozen
@@ -37,17 +54,10 @@ def multi_lora_linear(
 ) -> torch.Tensor:
     """`x @ weight.T + bias` plus `scale_i * dropout_i(x_i) @ A_i.T @ B_i.T` on segment i,
     differentiable in x, A_i and B_i. See `reference_multi_lora_linear` for the semantics."""
-    global _warned_no_triton
-    if x.is_cuda and os.environ.get("LORA_SWEEP_KERNELS", "") != "torch":
-        try:
-            from .multi_lora import triton_multi_lora_linear
-        except ImportError:
-            if not _warned_no_triton:
-                warnings.warn("Triton is not installed (`pip install lora-sweep[triton]`): "
-                              "using the torch reference of the multi-LoRA linear.")
-                _warned_no_triton = True
-        else:
-            return triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seed)
+    if uses_triton(x):
+        from .multi_lora import triton_multi_lora_linear
+
+        return triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seed)
     return reference_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seed)
 
 
@@ -60,6 +70,7 @@ def triton_multi_lora_linear(*args, **kwargs) -> torch.Tensor:
 
 __all__ = [
     "multi_lora_linear",
+    "uses_triton",
     "triton_multi_lora_linear",
     "reference_multi_lora_linear",
     "dropout_keep_mask",

@@ -9,16 +9,18 @@ import triton.language as tl
 
 
 @triton.jit
-def load_adapter(adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr):
+def load_adapter(adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS: tl.constexpr,
+                 N_FLOAT_COLS: tl.constexpr):
     """One adapter's row of the tables: (rank, seg_start, seed, keep_threshold, r_offset, scale,
-    inv_keep). Column order matches metadata.ADAPTER_INT_COLS / _FLOAT_COLS."""
+    inv_keep). Column order matches metadata.ADAPTER_INT_COLS / _FLOAT_COLS; the seeds are
+    their own vector, since each layer has its own and the rest of the table is shared."""
     base_i = adapters_i_ptr + adapter * N_INT_COLS
     base_f = adapters_f_ptr + adapter * N_FLOAT_COLS
     rank = tl.load(base_i + 0).to(tl.int32)
     seg_start = tl.load(base_i + 1).to(tl.int32)
-    seed = tl.load(base_i + 2)
-    threshold = tl.load(base_i + 3).to(tl.int32)
-    r_offset = tl.load(base_i + 4)
+    seed = tl.load(seeds_ptr + adapter)
+    threshold = tl.load(base_i + 2).to(tl.int32)
+    r_offset = tl.load(base_i + 3)
     scale = tl.load(base_f + 0)
     inv_keep = tl.load(base_f + 1)
     return rank, seg_start, seed, threshold, r_offset, scale, inv_keep

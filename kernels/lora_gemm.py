@@ -39,6 +39,7 @@ def _lora_gemm_kernel(
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    seeds_ptr,  # int64 [n_adapters]: this layer's dropout seeds
     # sizes
     N,
     K,
@@ -76,7 +77,7 @@ def _lora_gemm_kernel(
     row_start = tl.load(tiles_ptr + tile * 3 + 1).to(tl.int32)
     row_end = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int32)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
-        adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
 
     if not FUSED_BASE:
         if rank == 0:  # the base product in `out` is already this tile's result

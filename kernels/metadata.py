@@ -1,4 +1,4 @@
-"""Per-microbatch metadata of the multi-LoRA kernels, built once per call on the host.
+"""Per-microbatch metadata of the multi-LoRA kernels, built on the host once per layout.
 
 The adapters themselves travel packed (`multi_lora.pack_adapters`): adapter i's rows start
 at `r_offset` in one [R_total, in] A and one [R_total, out] B^T, so the kernels read them
@@ -15,17 +15,17 @@ Nothing here imports Triton: the CPU reference path never needs it.
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
 from .dropout import check_dropout_p, keep_threshold, normalize_seed
 
 # Columns of the per-adapter tables, in the order `_triton_common.load_adapter` reads them.
-ADAPTER_INT_COLS = ("rank", "seg_start", "seed", "keep_threshold", "r_offset",
-                    "da_offset", "db_offset", "chunk_first", "chunk_count")
+ADAPTER_INT_COLS = ("rank", "seg_start", "keep_threshold", "r_offset", "chunk_first", "chunk_count")
 ADAPTER_FLOAT_COLS = ("scale", "inv_keep")
 TILE_COLS = ("adapter", "row_start", "row_end")
 
@@ -109,7 +109,11 @@ def rank_blocks(max_rank: int) -> tuple[int, int]:
 
 @dataclass
 class LoRABatchMeta:
-    """Routing tables of one packed call (see module docstring); build with `build`."""
+    """Routing tables of one packed call (see module docstring); build with `build`.
+
+    Everything but `seeds` depends only on the segment layout, the adapters' ranks, scales and
+    dropout rates and the layer's shape, so it is built once and shared by every layer of
+    that shape in a microbatch; each layer brings its own dropout seeds."""
 
     tiles: torch.Tensor  # int64 [n_tiles, 3]: adapter, row_start, row_end (global rows)
     chunks: torch.Tensor  # int64 [n_chunks, 3]: same, chunks of up to chunk_rows, LoRA adapters only
@@ -123,19 +127,18 @@ class LoRABatchMeta:
     block_r: int  # shrink / reduce output rank block
     block_r_expand: int  # expand rank-loop step
     has_dropout: bool
-    da_numel: int
-    db_numel: int
     ranks: tuple[int, ...]
     r_total: int  # rows of the packed adapters: sum of the ranks of adapters with rows
     config: KernelConfig
+    seeds: Optional[torch.Tensor] = None  # int64 [n_adapters]: the calling layer's dropout seeds
 
     def args(self) -> tuple:
         """Tile-routed kernels' table arguments, in kernel order."""
-        return (self.tiles, self.adapters_i, self.adapters_f)
+        return (self.tiles, self.adapters_i, self.adapters_f, self.seeds)
 
     def chunk_args(self) -> tuple:
         """Row-reduction kernels' table arguments, in kernel order."""
-        return (self.chunks, self.adapters_i, self.adapters_f)
+        return (self.chunks, self.adapters_i, self.adapters_f, self.seeds)
 
     @staticmethod
     def build(
@@ -144,53 +147,68 @@ class LoRABatchMeta:
         lora_b: Sequence[Optional[torch.Tensor]],
         scales: Sequence[float],
         dropout_p: Sequence[float],
-        seeds: Sequence[int],
+        seeds: Union[Sequence[int], torch.Tensor],
         in_features: int,
         out_features: int,
         device: torch.device,
         config: KernelConfig,
     ) -> "LoRABatchMeta":
-        bm, chunk_rows = config.block_m, config.chunk_rows
-        if chunk_rows % bm:
-            raise ValueError(f"`chunk_rows` ({chunk_rows}) must be a multiple of `block_m` ({bm}).")
+        """The tables of one call. The shared part comes from a cache keyed by the layout;
+        `seeds` is one int per adapter, or already an int64 tensor on `device`."""
         ranks = tuple(0 if a is None or rows == 0 else int(a.shape[0]) for a, rows in zip(lora_a, seg_lens))
-        max_rank = max(ranks, default=0)
-        block_r, block_r_expand = rank_blocks(max(max_rank, 1))
-        tiles, chunks, chunk_first, chunk_count = _routing_tables(
-            tuple(int(s) for s in seg_lens), tuple(r > 0 for r in ranks), bm, chunk_rows, torch.device(device))
+        shared = _shared_tables(tuple(int(s) for s in seg_lens), ranks, tuple(float(s) for s in scales),
+                                tuple(float(p) for p in dropout_p), in_features, out_features,
+                                torch.device(device), config)
+        if not isinstance(seeds, torch.Tensor):
+            seeds = _table([normalize_seed(s) for s in seeds], 1, torch.int64, device).reshape(-1)
+        if seeds.shape != (len(ranks),) or seeds.dtype != torch.int64:
+            raise ValueError(f"Expected one int64 seed per adapter ({len(ranks)}), got {tuple(seeds.shape)} "
+                             f"{seeds.dtype}.")
+        meta = copy.copy(shared)
+        meta.seeds = seeds
+        return meta
 
-        rows_i, rows_f = [], []
-        start = da_off = db_off = r_offset = 0
-        for i, (rows, rank) in enumerate(zip(seg_lens, ranks)):
-            p = check_dropout_p(dropout_p[i]) if rank else 0.0
-            rows_i.append((rank, start, normalize_seed(seeds[i]), keep_threshold(p), r_offset,
-                           da_off, db_off, chunk_first[i], chunk_count[i]))
-            rows_f.append((float(scales[i]), 1.0 / (1.0 - p)))
-            # an adapter with no rows is not packed and gets no gradient (None), as in the reference
-            r_offset += rank
-            da_off += rank * in_features
-            db_off += rank * out_features
-            start += rows
 
-        return LoRABatchMeta(
-            tiles=tiles,
-            chunks=chunks,
-            adapters_i=_table(rows_i, len(ADAPTER_INT_COLS), torch.int64, device),
-            adapters_f=_table(rows_f, len(ADAPTER_FLOAT_COLS), torch.float32, device),
-            n_tiles=tiles.shape[0],
-            n_chunks=chunks.shape[0],
-            max_chunks_per_adapter=max(chunk_count, default=0),
-            max_rank=max_rank,
-            rank_stride=max(16, -(-max_rank // 16) * 16),
-            block_r=block_r,
-            block_r_expand=block_r_expand,
-            has_dropout=any(r > 0 and float(p) > 0 for r, p in zip(ranks, dropout_p)),
-            da_numel=da_off,
-            db_numel=db_off,
-            ranks=ranks,
-            r_total=r_offset,
-            config=config,
-        )
+@functools.lru_cache(maxsize=64)
+def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tuple, in_features: int,
+                   out_features: int, device: torch.device, config: KernelConfig) -> LoRABatchMeta:
+    """Every table of a call but the seeds; cached, since all layers of one shape in a
+    microbatch share it (and a model has only a few shapes)."""
+    bm, chunk_rows = config.block_m, config.chunk_rows
+    if chunk_rows % bm:
+        raise ValueError(f"`chunk_rows` ({chunk_rows}) must be a multiple of `block_m` ({bm}).")
+    max_rank = max(ranks, default=0)
+    block_r, block_r_expand = rank_blocks(max(max_rank, 1))
+    tiles, chunks, chunk_first, chunk_count = _routing_tables(
+        seg_lens, tuple(r > 0 for r in ranks), bm, chunk_rows, device)
+
+    rows_i, rows_f = [], []
+    start = r_offset = 0
+    for i, (rows, rank) in enumerate(zip(seg_lens, ranks)):
+        p = check_dropout_p(dropout_p[i]) if rank else 0.0
+        rows_i.append((rank, start, keep_threshold(p), r_offset, chunk_first[i], chunk_count[i]))
+        rows_f.append((scales[i], 1.0 / (1.0 - p)))
+        # an adapter with no rows is not packed and gets no gradient (None), as in the reference
+        r_offset += rank
+        start += rows
+
+    return LoRABatchMeta(
+        tiles=tiles,
+        chunks=chunks,
+        adapters_i=_table(rows_i, len(ADAPTER_INT_COLS), torch.int64, device),
+        adapters_f=_table(rows_f, len(ADAPTER_FLOAT_COLS), torch.float32, device),
+        n_tiles=tiles.shape[0],
+        n_chunks=chunks.shape[0],
+        max_chunks_per_adapter=max(chunk_count, default=0),
+        max_rank=max_rank,
+        rank_stride=max(16, -(-max_rank // 16) * 16),
+        block_r=block_r,
+        block_r_expand=block_r_expand,
+        has_dropout=any(r > 0 and p > 0 for r, p in zip(ranks, dropout_p)),
+        ranks=ranks,
+        r_total=r_offset,
+        config=config,
+    )
 
 
 def _table(rows, width, dtype, device) -> torch.Tensor:

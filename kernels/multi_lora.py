@@ -11,7 +11,10 @@ LoRAFusion's split at the rank-r tensor S, per call:
 
 Saved for backward: x, S ([tokens, rank] in x's dtype), the packed adapters and the routing
 tables; no dropout mask, no dropped x. W and bias are frozen: no gradient is ever computed
-for them. The adapters are packed once per call into the compute dtype (`pack_adapters`).
+for them. The adapters enter concatenated (`cat_adapters`: one autograd edge each for all A
+and all B, whatever the number of adapters) and are packed into the compute dtype per call
+(`pack_adapters`); the backward writes dA and dB in the same concatenated layout, and the
+cat's own backward hands each adapter its slice.
 """
 
 from __future__ import annotations
@@ -51,36 +54,36 @@ def _check_inputs(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens):
         raise TypeError(f"All adapters must share one dtype, got {sorted(map(str, dtypes))}.")
 
 
-def pack_adapters(lora_a, lora_b, ranks, dtype):
-    """The adapters with rows, packed for the kernels in the compute dtype: A_i stacked into
-    [R_total, in] and B_i^T into [R_total, out] (adapter i from row r_offset_i). Four copy
-    kernels per call, whatever the number of adapters; gradients still go to each A_i, B_i."""
+def cat_adapters(lora_a, lora_b, ranks):
+    """The adapters that have rows, concatenated in adapter order (autograd records the cat,
+    so gradients reach each A_i and B_i): A [R_total, in] with A_i from row r_offset_i, and
+    B [out, R_total] with B_i from column r_offset_i. None when no adapter has rows."""
     used = [i for i, r in enumerate(ranks) if r]
     if not used:
         return None, None
-    a_cat = torch.cat([lora_a[i].detach() for i in used])  # (R_total, in)
-    b_cat = torch.cat([lora_b[i].detach() for i in used], dim=1)  # (out, R_total)
-    a_pack = a_cat.to(dtype)
-    bt_pack = torch.empty(b_cat.shape[1], b_cat.shape[0], device=b_cat.device, dtype=dtype).copy_(b_cat.t())
+    return torch.cat([lora_a[i] for i in used]), torch.cat([lora_b[i] for i in used], dim=1)
+
+
+def pack_adapters(a_cat, b_cat, dtype):
+    """The concatenated adapters as the kernels read them, in the compute dtype: A [R_total, in]
+    and B^T [R_total, out], both row-major. Two copy kernels per call."""
+    a_pack = a_cat.detach().to(dtype)
+    bt_pack = torch.empty(b_cat.shape[1], b_cat.shape[0], device=b_cat.device, dtype=dtype).copy_(b_cat.detach().t())
     return a_pack, bt_pack
 
 
 class _TritonMultiLoRALinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, meta: LoRABatchMeta, adapter_ids, *lora_tensors):
-        # lora_tensors: A_i, B_i of each adapter in `adapter_ids` (those with LoRA)
+    def forward(ctx, x, weight, bias, meta: LoRABatchMeta, a_cat, b_cat):
+        # a_cat [R_total, in], b_cat [out, R_total]: the adapters with rows (`cat_adapters`)
         from .lora_gemm import lora_gemm
         from .shrink import lora_shrink
 
         x = x.contiguous()
-        lora_a = [None] * len(meta.ranks)
-        lora_b = [None] * len(meta.ranks)
-        for j, i in enumerate(adapter_ids):
-            lora_a[i], lora_b[i] = lora_tensors[2 * j], lora_tensors[2 * j + 1]
-        a_pack, bt_pack = pack_adapters(lora_a, lora_b, meta.ranks, x.dtype)
-        if a_pack is None:  # no LoRA rows at all: the kernels have nothing to read
-            a_pack = x.new_empty(0, x.shape[1])
-            bt_pack = x.new_empty(0, weight.shape[0])
+        if a_cat is None:  # no LoRA rows at all: the kernels have nothing to read
+            a_pack, bt_pack = x.new_empty(0, x.shape[1]), x.new_empty(0, weight.shape[0])
+        else:
+            a_pack, bt_pack = pack_adapters(a_cat, b_cat, x.dtype)
         s = torch.empty(x.shape[0], meta.rank_stride, device=x.device, dtype=x.dtype)  # (tokens, rank)
         lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True)
         if meta.config.fused_base:
@@ -90,8 +93,8 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
             y = F.linear(x, weight, bias)
             lora_gemm(x, weight, None, s, bt_pack, y, meta, forward=True, fused_base=False)
         ctx.save_for_backward(x, weight, s, a_pack, bt_pack)
-        ctx.meta, ctx.adapter_ids = meta, adapter_ids
-        ctx.lora_meta = [(t.shape, t.dtype) for t in lora_tensors]
+        ctx.meta = meta
+        ctx.grad_dtype = a_cat.dtype if a_cat is not None else x.dtype
         return y
 
     @staticmethod
@@ -106,22 +109,12 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         ds = torch.empty_like(s)  # (tokens, rank)
         lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
 
-        lora_grads = [None] * len(ctx.lora_meta)
-        if any(ctx.needs_input_grad[5:]) and meta.r_total:
-            grad_dtype = ctx.lora_meta[0][1]
-            db = torch.empty(meta.db_numel, device=x.device, dtype=grad_dtype)
-            da = torch.empty(meta.da_numel, device=x.device, dtype=grad_dtype)
+        da = db = None
+        if (ctx.needs_input_grad[4] or ctx.needs_input_grad[5]) and meta.r_total:
+            db = torch.empty(dy.shape[1], meta.r_total, device=x.device, dtype=ctx.grad_dtype)
+            da = torch.empty(meta.r_total, x.shape[1], device=x.device, dtype=ctx.grad_dtype)
             lora_row_reduce(dy, s, db, meta, out_is_b=True)
             lora_row_reduce(x, ds, da, meta, out_is_b=False)
-            da_off = db_off = 0
-            for j, i in enumerate(ctx.adapter_ids):
-                if meta.ranks[i] == 0:  # adapter without rows: no gradient, as in the reference
-                    continue
-                (a_shape, _), (b_shape, _) = ctx.lora_meta[2 * j], ctx.lora_meta[2 * j + 1]
-                lora_grads[2 * j] = da[da_off : da_off + a_shape.numel()].view(a_shape)
-                lora_grads[2 * j + 1] = db[db_off : db_off + b_shape.numel()].view(b_shape)
-                da_off += a_shape.numel()
-                db_off += b_shape.numel()
 
         dx = None
         if ctx.needs_input_grad[0]:
@@ -131,7 +124,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
             else:
                 dx = dy @ weight
                 lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=False)
-        return (dx, None, None, None, None, *lora_grads)
+        return dx, None, None, None, da, db
 
 
 def triton_multi_lora_linear(
@@ -150,12 +143,12 @@ def triton_multi_lora_linear(
     tensors under TRITON_INTERPRET=1). `config` overrides the per-shape block sizes."""
     _check_inputs(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens)
     seg_lens = [int(s) for s in seg_lens]
-    seeds = per_adapter_seeds(seed, len(seg_lens))
+    # a tensor of seeds (one per adapter, int64, on x's device) is used as it is
+    seeds = seed if isinstance(seed, torch.Tensor) and seed.dim() == 1 else per_adapter_seeds(seed, len(seg_lens))
     max_rank = max((a.shape[0] for a in lora_a if a is not None), default=0)
     if config is None:
         config = config_for(x.shape[0], seg_lens, weight.shape[1], weight.shape[0], max_rank, x.is_cuda)
     meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, scales, dropout_p, seeds,
                                weight.shape[1], weight.shape[0], x.device, config)
-    adapter_ids = tuple(i for i, a in enumerate(lora_a) if a is not None)
-    flat = [t for i in adapter_ids for t in (lora_a[i], lora_b[i])]
-    return _TritonMultiLoRALinear.apply(x, weight, bias, meta, adapter_ids, *flat)
+    a_cat, b_cat = cat_adapters(lora_a, lora_b, meta.ranks)
+    return _TritonMultiLoRALinear.apply(x, weight, bias, meta, a_cat, b_cat)

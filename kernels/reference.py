@@ -14,14 +14,15 @@ import torch.nn.functional as F
 
 from .dropout import dropout_keep_mask
 
-Seeds = Union[int, Sequence[int]]
+Seeds = Union[int, Sequence[int], torch.Tensor]
 
 
 def per_adapter_seeds(seed: Seeds, n: int) -> list[int]:
-    """One dropout seed per adapter: an int is shared by all, a sequence gives each its own."""
+    """One dropout seed per adapter: an int is shared by all, a sequence (or a 1-d integer
+    tensor) gives each its own."""
     if isinstance(seed, int):
         return [seed] * n
-    seeds = [int(s) for s in seed]
+    seeds = seed.tolist() if isinstance(seed, torch.Tensor) else [int(s) for s in seed]
     if len(seeds) != n:
         raise ValueError(f"`seed` has {len(seeds)} entries but there are {n} adapters.")
     return seeds

@@ -24,20 +24,17 @@ from ._triton_common import keep_mask, load_adapter
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 
-_DA_OFFSET_COL = ADAPTER_INT_COLS.index("da_offset")
-_DB_OFFSET_COL = ADAPTER_INT_COLS.index("db_offset")
 _CHUNK_FIRST_COL = ADAPTER_INT_COLS.index("chunk_first")
 
 
 @triton.jit
-def _store_grad(out_ptr, acc, adapters_i_ptr, adapter, rank, offs_n, offs_r, N,
-                OUT_IS_B: tl.constexpr, N_INT_COLS: tl.constexpr, OFFSET_COL: tl.constexpr):
-    """Store acc [BLOCK_N, BLOCK_R] as dB_i [N, rank] or dA_i [rank, N] in the flat grad buffer."""
-    offset = tl.load(adapters_i_ptr + adapter * N_INT_COLS + OFFSET_COL)
+def _store_grad(out_ptr, acc, r_offset, rank, offs_n, offs_r, N, r_total, OUT_IS_B: tl.constexpr):
+    """Store acc [BLOCK_N, BLOCK_R] as adapter i's columns r_offset.. of dB [N, r_total] (the
+    adapters' B side by side) or its rows of dA [r_total, N] (the A stacked)."""
     if OUT_IS_B:
-        ptrs = out_ptr + offset + offs_n[:, None].to(tl.int64) * rank + offs_r[None, :]
+        ptrs = out_ptr + offs_n[:, None].to(tl.int64) * r_total + r_offset + offs_r[None, :]
     else:
-        ptrs = out_ptr + offset + offs_r[None, :].to(tl.int64) * N + offs_n[:, None]
+        ptrs = out_ptr + (r_offset + offs_r[None, :]).to(tl.int64) * N + offs_n[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_r < rank)[None, :])
 
 
@@ -46,13 +43,15 @@ def _row_reduce_kernel(
     # pointers
     u_ptr,  # [M, N] rows: dY (for dB) or x (for dA)
     v_ptr,  # [M, rank_stride] in u's dtype: S (for dB) or dS (for dA)
-    out_ptr,  # DIRECT: flat gradient buffer; else fp32 partials [n_chunks, N, rank_stride]
+    out_ptr,  # DIRECT: dB [N, r_total] or dA [r_total, N]; else fp32 partials [n_chunks, N, rank_stride]
     chunks_ptr,  # int64 [n_chunks, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    seeds_ptr,  # int64 [n_adapters]: this layer's dropout seeds
     # sizes
     N,
     rank_stride,
+    r_total,
     # strides
     stride_um,
     stride_vm,
@@ -62,7 +61,6 @@ def _row_reduce_kernel(
     HAS_DROPOUT: tl.constexpr,  # some adapter has p > 0 (dA only)
     N_INT_COLS: tl.constexpr,
     N_FLOAT_COLS: tl.constexpr,
-    OFFSET_COL: tl.constexpr,  # column of the adapter's offset in the flat gradient buffer
     BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -74,7 +72,7 @@ def _row_reduce_kernel(
     row_start = tl.load(chunks_ptr + chunk * 3 + 1).to(tl.int32)
     row_end = tl.load(chunks_ptr + chunk * 3 + 2).to(tl.int32)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
-        adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     r0 = pid_r * BLOCK_R
     if r0 >= rank:
         return
@@ -104,8 +102,7 @@ def _row_reduce_kernel(
             coef = scale
         else:
             coef = inv_keep
-        _store_grad(out_ptr, acc * coef, adapters_i_ptr, adapter, rank, offs_n, offs_r, N,
-                    OUT_IS_B, N_INT_COLS, OFFSET_COL)
+        _store_grad(out_ptr, acc * coef, r_offset, rank, offs_n, offs_r, N, r_total, OUT_IS_B)
     else:
         part_ptrs = (out_ptr + chunk.to(tl.int64) * N * rank_stride
                      + offs_n[:, None].to(tl.int64) * rank_stride + offs_r[None, :])
@@ -116,17 +113,18 @@ def _row_reduce_kernel(
 def _chunk_sum_kernel(
     # pointers
     part_ptr,  # fp32 [n_chunks, N, rank_stride] partials of stage 1
-    out_ptr,  # flat gradient buffer
+    out_ptr,  # dB [N, r_total] or dA [r_total, N]
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    seeds_ptr,  # int64 [n_adapters]: this layer's dropout seeds
     # sizes
     N,
     rank_stride,
+    r_total,
     # meta-parameters
     OUT_IS_B: tl.constexpr,
     N_INT_COLS: tl.constexpr,
     N_FLOAT_COLS: tl.constexpr,
-    OFFSET_COL: tl.constexpr,
     CHUNK_FIRST_COL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -135,7 +133,7 @@ def _chunk_sum_kernel(
     pid_n = tl.program_id(1)
     pid_r = tl.program_id(2)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
-        adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     r0 = pid_r * BLOCK_R
     if r0 >= rank:
         return
@@ -153,19 +151,19 @@ def _chunk_sum_kernel(
         coef = scale
     else:
         coef = inv_keep
-    _store_grad(out_ptr, acc * coef, adapters_i_ptr, adapter, rank, offs_n, offs_r, N,
-                OUT_IS_B, N_INT_COLS, OFFSET_COL)
+    _store_grad(out_ptr, acc * coef, r_offset, rank, offs_n, offs_r, N, r_total, OUT_IS_B)
 
 
 def lora_row_reduce(
     u: torch.Tensor,  # [M, N] contiguous: dY (dB) or x (dA)
     v: torch.Tensor,  # [M, meta.rank_stride] in u's dtype: S (dB) or dS (dA)
-    out: torch.Tensor,  # flat [meta.db_numel] (dB) or [meta.da_numel] (dA), adapters' dtype
+    out: torch.Tensor,  # dB [N, r_total] (the B_i side by side) or dA [r_total, N] (the A_i stacked)
     meta: LoRABatchMeta,
     out_is_b: bool,
 ) -> torch.Tensor:
-    """All adapters' dB (out_is_b) or dA into one flat buffer, adapter i at its table offset."""
-    assert u.is_contiguous() and v.shape == (u.shape[0], meta.rank_stride)
+    """All adapters' dB (out_is_b) or dA, adapter i at its `r_offset` column or row."""
+    assert u.is_contiguous() and v.shape == (u.shape[0], meta.rank_stride) and out.is_contiguous()
+    assert out.shape == ((u.shape[1], meta.r_total) if out_is_b else (meta.r_total, u.shape[1]))
     cfg = meta.config
     N = u.shape[1]
     n_blocks = triton.cdiv(N, cfg.reduce_block_n)
@@ -173,14 +171,13 @@ def lora_row_reduce(
     if meta.n_chunks == 0 or r_blocks == 0:
         return out
     direct = meta.max_chunks_per_adapter <= 1
-    offset_col = _DB_OFFSET_COL if out_is_b else _DA_OFFSET_COL
     common = dict(N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
-                  OFFSET_COL=offset_col, BLOCK_N=cfg.reduce_block_n, BLOCK_R=meta.block_r)
+                  BLOCK_N=cfg.reduce_block_n, BLOCK_R=meta.block_r)
     part = out if direct else torch.empty(meta.n_chunks, N, meta.rank_stride, device=u.device,
                                           dtype=torch.float32)
     _row_reduce_kernel[(meta.n_chunks, n_blocks, r_blocks)](
         u, v, part, *meta.chunk_args(),
-        N, meta.rank_stride,
+        N, meta.rank_stride, meta.r_total,
         u.stride(0), v.stride(0),
         OUT_IS_B=out_is_b,
         DIRECT=direct,
@@ -193,8 +190,8 @@ def lora_row_reduce(
     if not direct:
         n_adapters = meta.adapters_i.shape[0]
         _chunk_sum_kernel[(n_adapters, n_blocks, r_blocks)](
-            part, out, meta.adapters_i, meta.adapters_f,
-            N, meta.rank_stride,
+            part, out, meta.adapters_i, meta.adapters_f, meta.seeds,
+            N, meta.rank_stride, meta.r_total,
             OUT_IS_B=out_is_b,
             CHUNK_FIRST_COL=_CHUNK_FIRST_COL,
             num_warps=4,

@@ -34,6 +34,7 @@ def _shrink_kernel(
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    seeds_ptr,  # int64 [n_adapters]: this layer's dropout seeds
     # sizes
     K,
     # strides
@@ -55,7 +56,7 @@ def _shrink_kernel(
     adapter = tl.load(tiles_ptr + tile * 3).to(tl.int32)
     row_end = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int32)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
-        adapters_i_ptr, adapters_f_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     r0 = pid_r * BLOCK_R
     if r0 >= rank or row_start >= row_end:  # no LoRA here, rank block past its rank, or sub-tile past the segment
         return

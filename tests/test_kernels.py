@@ -33,7 +33,7 @@ from lora_sweep.kernels._triton_common import keep_mask  # noqa: E402
 from lora_sweep.kernels.dropout import keep_threshold, philox_randint4x  # noqa: E402
 from lora_sweep.kernels.lora_gemm import lora_gemm, reference_lora_gemm  # noqa: E402
 from lora_sweep.kernels.metadata import INTERPRET_CONFIG, LoRABatchMeta  # noqa: E402
-from lora_sweep.kernels.multi_lora import pack_adapters  # noqa: E402
+from lora_sweep.kernels.multi_lora import cat_adapters, pack_adapters  # noqa: E402
 from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
 from lora_sweep.kernels.shrink import lora_shrink, reference_lora_shrink  # noqa: E402
 
@@ -243,7 +243,8 @@ def test_each_kernel_matches_its_reference(config):
     meta = _meta(case, CONFIGS[config])
     ranks = [0 if a is None else a.shape[0] for a in lora_a]
     rows_with_lora = torch.cat([torch.full((n,), r > 0) for n, r in zip(seg_lens, ranks)])
-    a_pack, bt_pack = pack_adapters(lora_a, lora_b, meta.ranks, x.dtype)
+    a_cat, b_cat = cat_adapters(lora_a, lora_b, meta.ranks)
+    a_pack, bt_pack = pack_adapters(a_cat, b_cat, x.dtype)
     assert a_pack.shape == (meta.r_total, x.shape[1]) and bt_pack.shape == (meta.r_total, weight.shape[0])
 
     s = torch.zeros(x.shape[0], meta.rank_stride)
@@ -266,13 +267,15 @@ def test_each_kernel_matches_its_reference(config):
     dx_ref = reference_lora_gemm(dy, weight, None, ds, lora_a, seg_lens, False, scales, dropout_p, seeds)
     assert_close(dx, dx_ref, what="gemm backward")
 
-    for out_is_b, u, v, numel in ((True, dy, s, meta.db_numel), (False, x, ds, meta.da_numel)):
-        flat = torch.zeros(numel)
-        lora_row_reduce(u, v, flat, meta, out_is_b=out_is_b)
-        refs = reference_lora_row_reduce(u, v, meta.ranks, seg_lens, out_is_b, scales, dropout_p, seeds)
-        got = torch.cat([g.reshape(-1) for g in refs if g is not None]) if any(g is not None for g in refs) \
-            else torch.zeros(0)
-        assert_close(flat, got, what="dB" if out_is_b else "dA")
+    # dB [out, R_total]: the B_i side by side; dA [R_total, in]: the A_i stacked (cat_adapters' layout)
+    for out_is_b, u, v, shape in ((True, dy, s, (weight.shape[0], meta.r_total)),
+                                  (False, x, ds, (meta.r_total, x.shape[1]))):
+        got = torch.zeros(shape)
+        lora_row_reduce(u, v, got, meta, out_is_b=out_is_b)
+        refs = [g for g in reference_lora_row_reduce(u, v, meta.ranks, seg_lens, out_is_b, scales, dropout_p, seeds)
+                if g is not None]
+        want = torch.cat(refs, dim=1 if out_is_b else 0) if refs else torch.zeros(shape)
+        assert_close(got, want, what="dB" if out_is_b else "dA")
 
 
 # --------------------------------------------------------------------------- public entry point

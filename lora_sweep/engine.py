@@ -298,7 +298,7 @@ class PackedJob:
         modules, params = [], []
         for name, layer in self.layers.items():
             if name.rsplit(".", 1)[-1] in wanted:
-                layer.add_adapter(key, cfg.rank, cfg.scaling, cfg.dropout, cfg.seed, generator, self.adapter_dtype)
+                layer.add_adapter(key, cfg.rank, cfg.scaling, cfg.dropout, generator, self.adapter_dtype)
                 modules.append(name)
                 params += [layer.lora_A[key].weight, layer.lora_B[key].weight]
         self.optimizer.add(cfg.trial_id, params, cfg.learning_rate,
@@ -393,7 +393,8 @@ class PackedJob:
         step for each adapter whose gradient accumulation is complete."""
         t0 = time.perf_counter()
         adapters = list(self.active.values())
-        self.model.train()
+        if not self.model.training:  # train() visits every module: thousands with many adapters
+            self.model.train()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # step_stats report this step's peak
 
@@ -538,7 +539,7 @@ class PackedJob:
         # The table stays set until the caller's backward is done: gradient checkpointing
         # recomputes the layers' forward inside the backward and must see the same adapters.
         self.segments.set([a.key for a in adapters], batch["seg_tokens"],
-                          [a.micro_steps for a in adapters] if train else None)
+                          [a.micro_steps for a in adapters] if train else None, [a.cfg.seed for a in adapters])
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
         hidden = self.body(**inputs, use_cache=False).last_hidden_state
         # keep only positions whose next token carries a label, adapter by adapter

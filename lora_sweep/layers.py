@@ -9,41 +9,61 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
+import numpy as np
 import torch
 from torch import nn
 
-from .kernels import multi_lora_linear
+from .kernels import multi_lora_linear, uses_triton
 
 
 @dataclass
 class SegmentTable:
     """Row layout of the current microbatch: adapter `names[i]` owns the next `tokens[i]`
-    rows of the flattened [batch * seq, features] input. Its dropout masks are seeded by
-    its own micro-step count `steps[i]` and the layer index, so they do not depend on
-    pack-mates. An empty table means "no adapters": layers compute the base output only."""
+    rows of the flattened [batch * seq, features] input. Its dropout masks are seeded by its
+    trial seed `seeds[i]`, its own micro-step count `steps[i]` and the layer index, so they
+    do not depend on pack-mates. An empty table means "no adapters": layers compute the base
+    output only."""
 
     names: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    num_layers: int = 0  # MultiLoRALinear layers reading this table (set when they are made)
+    _layer_seeds: dict = field(default_factory=dict, repr=False)
 
-    def set(self, names, tokens, steps=None) -> None:
+    def set(self, names, tokens, steps=None, seeds=None) -> None:
         self.names, self.tokens = list(names), [int(t) for t in tokens]
         self.steps = [int(s) for s in steps] if steps is not None else [0] * len(self.names)
+        self.seeds = [int(s) for s in seeds] if seeds is not None else [0] * len(self.names)
+        self._layer_seeds = {}
 
     def clear(self) -> None:
         self.set([], [])
 
+    def dropout_seeds(self, layer_index: int, device: Optional[torch.device] = None):
+        """Layer `layer_index`'s dropout seed of every adapter: ints, or with a `device` an
+        int64 tensor there. Computed for all layers at once per microbatch and copied to the
+        device once, not once per layer."""
+        if device not in self._layer_seeds:
+            layers = np.arange(max(self.num_layers, layer_index + 1))[:, None]
+            table = mix_seed(np.array(self.seeds)[None, :], layers, np.array(self.steps)[None, :])
+            self._layer_seeds[device] = table.tolist() if device is None else torch.from_numpy(table).to(device)
+        return self._layer_seeds[device][layer_index]
 
-def mix_seed(*parts: int) -> int:
+
+def mix_seed(*parts):
     """A 31-bit seed from integers (splitmix64 rounds): each (trial seed, layer, step) gets
-    its own dropout stream, independent of which other adapters share the microbatch."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = (h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & 0x7FFFFFFF
+    its own dropout stream, independent of which other adapters share the microbatch.
+    Integers give an int; numpy arrays broadcast and give an int64 array."""
+    h = np.full(np.broadcast_shapes(*(np.shape(p) for p in parts)) or (1,), 0x9E3779B97F4A7C15, dtype=np.uint64)
+    for p in parts:  # uint64 arithmetic wraps modulo 2**64, as the splitmix64 rounds need
+        h = (h ^ (np.asarray(p, dtype=np.int64).astype(np.uint64))) * np.uint64(0xBF58476D1CE4E5B9)
+        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(31)
+    seeds = (h & np.uint64(0x7FFFFFFF)).astype(np.int64)
+    return int(seeds.reshape(-1)[0]) if all(np.ndim(p) == 0 for p in parts) else seeds
 
 
 class MultiLoRALinear(nn.Module):
@@ -57,7 +77,7 @@ class MultiLoRALinear(nn.Module):
     """
 
     adapter_layer_names = ("lora_A", "lora_B")
-    other_param_names = ("scaling", "lora_dropout", "seed")
+    other_param_names = ("scaling", "lora_dropout")
 
     def __init__(self, base_layer: nn.Linear, segments: SegmentTable, layer_index: int):
         super().__init__()
@@ -71,9 +91,11 @@ class MultiLoRALinear(nn.Module):
         self.lora_B = nn.ModuleDict()
         self.scaling: dict[str, float] = {}
         self.lora_dropout: dict[str, float] = {}
-        self.seed: dict[str, int] = {}
+        # name -> (A weight, B weight, scaling, dropout): what forward reads for every adapter
+        # of every microbatch, in one dict lookup
+        self._adapters: dict[str, tuple] = {}
 
-    def add_adapter(self, name: str, rank: int, scaling: float, dropout: float, seed: int,
+    def add_adapter(self, name: str, rank: int, scaling: float, dropout: float,
                     generator: torch.Generator, dtype: torch.dtype) -> None:
         """PEFT's default init: A Kaiming-uniform (a=sqrt(5)) from `generator`, B zeros."""
         device = self.base_layer.weight.device
@@ -88,7 +110,7 @@ class MultiLoRALinear(nn.Module):
         self.lora_B[name] = lora_b
         self.scaling[name] = float(scaling)
         self.lora_dropout[name] = float(dropout)
-        self.seed[name] = int(seed)
+        self._adapters[name] = (self.lora_A[name].weight, lora_b.weight, float(scaling), float(dropout))
 
     def delete_adapter(self, name: str) -> None:
         for attr in self.adapter_layer_names:
@@ -96,22 +118,20 @@ class MultiLoRALinear(nn.Module):
                 del getattr(self, attr)[name]
         for attr in self.other_param_names:
             getattr(self, attr).pop(name, None)
+        self._adapters.pop(name, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         table = self.segments
         if not table.names:
             return self.base_layer(x)
         lead, flat = x.shape[:-1], x.reshape(-1, self.in_features)  # (tokens, in)
-        lora_a, lora_b, scales, dropout_p, seeds = [], [], [], [], []
-        for name, step in zip(table.names, table.steps):
-            has = name in self.lora_A
-            lora_a.append(self.lora_A[name].weight if has else None)
-            lora_b.append(self.lora_B[name].weight if has else None)
-            scales.append(self.scaling.get(name, 0.0))
-            dropout_p.append(self.lora_dropout.get(name, 0.0) if self.training else 0.0)
-            seeds.append(mix_seed(self.seed.get(name, 0), self.layer_index, step))
-        out = multi_lora_linear(flat, self.base_layer.weight, self.base_layer.bias,
-                                lora_a, lora_b, scales, dropout_p, table.tokens, seeds)
+        none = (None, None, 0.0, 0.0)  # an adapter that does not target this layer
+        lora_a, lora_b, scales, dropout_p = zip(*(self._adapters.get(name, none) for name in table.names))
+        if not self.training:
+            dropout_p = (0.0,) * len(dropout_p)
+        out = multi_lora_linear(flat, self.base_layer.weight, self.base_layer.bias, lora_a, lora_b, scales,
+                                dropout_p, table.tokens,
+                                table.dropout_seeds(self.layer_index, x.device if uses_triton(x) else None))
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -95,6 +95,7 @@ def inject_multi_lora(model: nn.Module, target_modules, segments: SegmentTable) 
                 layer = MultiLoRALinear(child, segments, layer_index=len(layers))
                 setattr(module, child_name, layer)
                 layers[name] = layer
+    segments.num_layers = len(layers)
     return layers
 
 

@@ -262,6 +262,13 @@ class Calibration:
         return cls([STEP_OVERHEAD_S, ADAPTER_OVERHEAD_S, 1 / (gpu.hbm_gb_s * GB * HBM_EFFICIENCY),
                     1 / (flops * BASE_MFU), 1 / (flops * LORA_MFU), 1 / (gpu.link_gb_s * GB * LINK_EFFICIENCY)])
 
+    @staticmethod
+    def floor(gpu: GPU) -> list[float]:
+        """The smallest physical time coefficients: no overheads, and every rate at the GPU's
+        peak. A fit below them would claim the GPU ran faster than it can."""
+        flops = gpu.bf16_tflops * 1e12
+        return [0.0, 0.0, 1 / (gpu.hbm_gb_s * GB), 1 / flops, 1 / flops, 1 / (gpu.link_gb_s * GB)]
+
     def describe(self) -> str:
         """The coefficients in readable units."""
         c = self.time_coefs
@@ -735,12 +742,15 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
     # First a fit that few steps determine: per-step and per-adapter overheads and one factor
     # on the roofline's time of everything else. Then the full fit, pulled towards it, so that
     # terms the profiled steps cannot tell apart keep the roofline's proportions.
-    prior = np.asarray(cal.time_coefs)
+    # No coefficient may fall below the GPU's peak rates: few steps whose terms grow together
+    # could otherwise put all the time on one term and call another free.
+    prior, floor = np.asarray(cal.time_coefs), np.asarray(Calibration.floor(cost_model.gpu))
     physics = features[:, 2:] @ prior[2:]
     c0, c1, factor = _ridge_fit(np.column_stack([features[:, :2], physics]), seconds,
-                                np.array([prior[0], prior[1], 1.0]))
+                                np.array([prior[0], prior[1], 1.0]),
+                                lower=np.array([0.0, 0.0, np.max(floor[2:] / prior[2:])]))
     start = np.concatenate([[c0, c1], factor * prior[2:]])
-    cal.time_coefs = _ridge_fit(features, seconds, start).tolist()
+    cal.time_coefs = _ridge_fit(features, seconds, start, lower=floor).tolist()
 
     # memory: peak - (weights, logits, adapter states) = a * base act + b * lora act + workspace
     with_memory = [s for s in step_stats if s.get("peak_memory_bytes") is not None]
@@ -761,10 +771,11 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
     return dataclasses.replace(cost_model, calibration=cal)
 
 
-def _ridge_fit(features: np.ndarray, target: np.ndarray, prior: np.ndarray, strength: float = 1e-6) -> np.ndarray:
-    """Non-negative least squares of ``features @ coefs = target``, pulled towards `prior`
-    in the directions the data do not determine. Columns are normalised first, so the ridge
-    strength is relative to the data."""
+def _ridge_fit(features: np.ndarray, target: np.ndarray, prior: np.ndarray, strength: float = 1e-6,
+               lower: np.ndarray | None = None) -> np.ndarray:
+    """Least squares of ``features @ coefs = target`` with ``coefs >= lower`` (default 0),
+    pulled towards `prior` in the directions the data do not determine. Columns are
+    normalised first, so the ridge strength is relative to the data."""
     from scipy.optimize import lsq_linear  # scipy comes with cvxpy
 
     scale = np.linalg.norm(features, axis=0)
@@ -773,7 +784,10 @@ def _ridge_fit(features: np.ndarray, target: np.ndarray, prior: np.ndarray, stre
     weight = np.sqrt(strength)
     a_aug = np.vstack([a, weight * np.eye(len(prior))])
     b_aug = np.concatenate([target, weight * prior * scale])
-    return lsq_linear(a_aug, b_aug, bounds=(0, np.inf)).x / scale
+    low = (np.zeros(len(prior)) if lower is None else np.asarray(lower, dtype=float)) * scale
+    prior_u = np.maximum(prior * scale, low)
+    b_aug[len(target):] = weight * prior_u
+    return lsq_linear(a_aug, b_aug, bounds=(low, np.inf)).x / scale
 
 
 # --------------------------------------------------------------------------- profiling

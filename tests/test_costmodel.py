@@ -236,6 +236,16 @@ def test_calibrate_on_one_job_predicts_that_job(cm):
     assert min(fitted.calibration.time_coefs) >= 0
 
 
+def test_calibrate_never_rates_the_gpu_above_its_peak(cm):
+    # Host-bound steps: the time grows with the pack's adapters, not its FLOPs. An
+    # unconstrained fit calls the base GEMMs free; the fit keeps every rate at or below peak.
+    truth = dataclasses.replace(cm, calibration=Calibration([0.08, 0.01, 0.0, 0.0, 0.0, 0.0]))
+    fitted = calibrate(cm, _synthetic_stats(truth, 12, seed=3, gpus=(1,)), num_gpus=1)
+    floor = Calibration.floor(cm.gpu)
+    assert all(c >= f * (1 - 1e-9) for c, f in zip(fitted.calibration.time_coefs, floor))
+    assert fitted.calibration.time_coefs[3] > 0  # base FLOPs are never free
+
+
 def test_calibrate_without_memory_keeps_memory_terms(cm):
     stats = _synthetic_stats(cm, 6, seed=2)
     for s in stats:

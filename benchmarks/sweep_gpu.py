@@ -282,13 +282,15 @@ def makespan(model_name, seq, steps, log, microbatch_tokens) -> dict:
     spec = spec_for(model, rows, seq, max_tokens_per_microbatch=microbatch_tokens)
     base_cm = CostModel.from_model(PRESETS[model_name], gpu=detect(), max_seq_len=seq, dtype="bfloat16")
 
-    # calibrate the packed engine from profiled steps of a varied job (PLoRA profiles 10)
+    # calibrate the packed engine from profiled steps of varied jobs (PLoRA profiles 10): pack
+    # sizes from 1 to 8, and ranks and batch sizes that do not grow together, so the fit can
+    # tell per-step, per-adapter, token and rank costs apart
     probe = [ls.TrialConfig(rank=r, alpha=2 * r, batch_size=b, max_steps=10**6, trial_id=f"p{i}")
-             for i, (r, b) in enumerate([(8, 1), (16, 4), (32, 8), (64, 2), (128, 16), (16, 32)])]
+             for i, (r, b) in enumerate([(8, 1), (16, 4), (32, 8), (64, 2), (128, 16), (16, 32), (128, 1), (8, 16)])]
     stats = []
-    for k in (1, 3, 6):
-        job = ls.PackedJob(spec, probe[:k], progress=False)
-        stats += profile_job(job, steps=4, warmup=2)
+    for members in ([0], [5], [4], [0, 1, 2], [3, 6, 7], [5, 6], [0, 1, 2, 3, 4, 5], list(range(8))):
+        job = ls.PackedJob(spec, [probe[i] for i in members], progress=False)
+        stats += profile_job(job, steps=3, warmup=2)
         del job
         strip_adapters(model)
     packed_cm = calibrate(base_cm, stats)
@@ -454,10 +456,14 @@ def main():
     parser.add_argument("--sweep-steps", type=int, default=30, help="steps of every config in makespan/overhead")
     parser.add_argument("--microbatch-tokens", type=int, default=64 * 1024)
     parser.add_argument("--plot-only", help="redraw the plot of a saved results JSON and exit")
+    parser.add_argument("--merge", nargs="+", help="merge the results JSONs of several runs into --out and exit")
     args = parser.parse_args()
     if args.plot_only:
         with open(args.plot_only) as f:
             plot(json.load(f), os.path.splitext(args.plot_only)[0] + ".png")
+        return
+    if args.merge:
+        merge(args.merge, args.out)
         return
     sections = args.sections.split(",")
     lines = []
@@ -503,21 +509,55 @@ def main():
         m, q, n, b = args.profile.split(",")
         result["profile"] = profile(m, int(q), int(n), int(b), log, os.path.dirname(os.path.abspath(args.out)))
     result["seconds"] = time.time() - t0
-    best = {}
-    for r in result.get("throughput", []):
-        key = f"{r['model']} seq {r['seq']} batch {r['batch']}"
-        if r["adapters"] >= 16 and r["ratio"] > best.get(key, {}).get("ratio", 0):
-            best[key] = {"adapters": r["adapters"], "ranks": r["ranks"], "ratio": round(r["ratio"], 2),
-                         "mfu": round(r["mfu"], 3), "solo_mfu": round(r["solo_mfu"], 3)}
-    result["summary"] = {"best_ratio_16plus_adapters": best,
-                         "kernels_speedup": result.get("kernels", {}).get("speedup"),
-                         "makespan_ratio": result.get("makespan", {}).get("ratio"),
-                         "prediction_error": result.get("makespan", {}).get("prediction_error"),
-                         "tuner_overhead": result.get("overhead", {}).get("overhead")}
+    result["summary"] = summary(result)
     save()
     if result.get("throughput"):
         plot(result, os.path.splitext(args.out)[0] + ".png")
     log(json.dumps(result["summary"], indent=1))
+
+
+def summary(result: dict) -> dict:
+    """The numbers the targets are about: the best ratio at 16+ adapters and the best MFU of
+    every (model, seq, batch), and the makespan, kernel and tuner results."""
+    best, best_mfu = {}, {}
+    for r in result.get("throughput", []):
+        key = f"{r['model']} seq {r['seq']} batch {r['batch']}"
+        row = {"adapters": r["adapters"], "ranks": r["ranks"], "ratio": round(r["ratio"], 2),
+               "mfu": round(r["mfu"], 3), "solo_mfu": round(r["solo_mfu"], 3)}
+        if r["adapters"] >= 16 and r["ratio"] > best.get(key, {}).get("ratio", 0):
+            best[key] = row
+        if r["mfu"] > best_mfu.get(r["model"], {}).get("mfu", 0):
+            best_mfu[r["model"]] = {**row, "seq": r["seq"], "batch": r["batch"]}
+    return {"best_ratio_16plus_adapters": best, "best_mfu": best_mfu,
+            "kernels_speedup": result.get("kernels", {}).get("speedup"),
+            "makespan_ratio": result.get("makespan", {}).get("ratio"),
+            "prediction_error": result.get("makespan", {}).get("prediction_error"),
+            "tuner_overhead": result.get("overhead", {}).get("overhead")}
+
+
+def merge(paths: list[str], out: str) -> None:
+    """One results file from runs made in pieces (one model per run, say): throughput rows
+    concatenated, the other sections from the run that has them, each run's args kept."""
+    runs = []
+    for p in paths:
+        with open(p) as f:
+            runs.append(json.load(f))
+    if len({r["gpu"] for r in runs}) != 1:
+        raise SystemExit(f"Refusing to merge runs on different GPUs: {sorted({r['gpu'] for r in runs})}.")
+    merged = {k: runs[0][k] for k in ("benchmark", "date", "gpu", "versions")}
+    merged["runs"] = [{"args": r["args"], "ceilings": r["ceilings"], "seconds": r.get("seconds")} for r in runs]
+    merged["ceilings"] = runs[0]["ceilings"]  # MFU of each row uses its own run's ceiling
+    merged["throughput"] = [row for r in runs for row in r.get("throughput", [])]
+    for section in ("kernels", "makespan", "overhead", "profile"):
+        for r in runs:
+            if r.get(section):
+                merged[section] = r[section]
+    merged["summary"] = summary(merged)
+    with open(out, "w") as f:
+        json.dump(merged, f, indent=1)
+    if merged["throughput"]:
+        plot(merged, os.path.splitext(out)[0] + ".png")
+    print(json.dumps(merged["summary"], indent=1))
 
 
 if __name__ == "__main__":

@@ -330,13 +330,13 @@ def section_lora(res, device):
         def ours():
             meta = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
                                        p["seed"], in_f, out_f, x.device, cfg)  # per call, as in training
-            a_pack, bt_pack = pack_adapters(*cat_adapters(p["lora_a"], p["lora_b"], meta.ranks), x.dtype)
+            a_pack, bt_pack = pack_adapters(*cat_adapters(p["lora_a"], p["lora_b"], meta.ranks), meta.ranks, x.dtype)
             s = torch.empty(tokens, meta.rank_stride, device=device, dtype=x.dtype)
             lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True)
             lora_gemm(x, w, None, s, bt_pack, y, meta, forward=True, fused_base=False)
             ds = torch.empty_like(s)
             lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
-            db = torch.empty(out_f, meta.r_total, device=device)
+            db = torch.empty(out_f * meta.r_total, device=device)
             da = torch.empty(meta.r_total, in_f, device=device)
             lora_row_reduce(dy, s, db, meta, out_is_b=True)
             lora_row_reduce(x, ds, da, meta, out_is_b=False)

@@ -57,25 +57,29 @@ def _check_inputs(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens):
 def cat_adapters(lora_a, lora_b, ranks):
     """The adapters that have rows, concatenated in adapter order (autograd records the cat,
     so gradients reach each A_i and B_i): A [R_total, in] with A_i from row r_offset_i, and
-    B [out, R_total] with B_i from column r_offset_i. None when no adapter has rows."""
+    B flat, B_i's [out, r_i] block from element out * r_offset_i. Each adapter's slice of
+    either is contiguous, so its gradient is too. None, None when no adapter has rows."""
     used = [i for i, r in enumerate(ranks) if r]
     if not used:
         return None, None
-    return torch.cat([lora_a[i] for i in used]), torch.cat([lora_b[i] for i in used], dim=1)
+    return torch.cat([lora_a[i] for i in used]), torch.cat([lora_b[i].reshape(-1) for i in used])
 
 
-def pack_adapters(a_cat, b_cat, dtype):
+def pack_adapters(a_cat, b_flat, ranks, dtype):
     """The concatenated adapters as the kernels read them, in the compute dtype: A [R_total, in]
-    and B^T [R_total, out], both row-major. Two copy kernels per call."""
+    and B^T [R_total, out], both row-major."""
     a_pack = a_cat.detach().to(dtype)
-    bt_pack = torch.empty(b_cat.shape[1], b_cat.shape[0], device=b_cat.device, dtype=dtype).copy_(b_cat.detach().t())
+    ranks = [r for r in ranks if r]
+    out = b_flat.shape[0] // a_cat.shape[0]
+    blocks = b_flat.detach().split([out * r for r in ranks])
+    bt_pack = torch.cat([blk.view(out, r).t() for blk, r in zip(blocks, ranks)]).to(dtype)
     return a_pack, bt_pack
 
 
 class _TritonMultiLoRALinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, meta: LoRABatchMeta, a_cat, b_cat):
-        # a_cat [R_total, in], b_cat [out, R_total]: the adapters with rows (`cat_adapters`)
+    def forward(ctx, x, weight, bias, meta: LoRABatchMeta, a_cat, b_flat):
+        # a_cat [R_total, in], b_flat [out * R_total]: the adapters with rows (`cat_adapters`)
         from .lora_gemm import lora_gemm
         from .shrink import lora_shrink
 
@@ -83,7 +87,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         if a_cat is None:  # no LoRA rows at all: the kernels have nothing to read
             a_pack, bt_pack = x.new_empty(0, x.shape[1]), x.new_empty(0, weight.shape[0])
         else:
-            a_pack, bt_pack = pack_adapters(a_cat, b_cat, x.dtype)
+            a_pack, bt_pack = pack_adapters(a_cat, b_flat, meta.ranks, x.dtype)
         s = torch.empty(x.shape[0], meta.rank_stride, device=x.device, dtype=x.dtype)  # (tokens, rank)
         lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True)
         if meta.config.fused_base:
@@ -111,7 +115,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
 
         da = db = None
         if (ctx.needs_input_grad[4] or ctx.needs_input_grad[5]) and meta.r_total:
-            db = torch.empty(dy.shape[1], meta.r_total, device=x.device, dtype=ctx.grad_dtype)
+            db = torch.empty(dy.shape[1] * meta.r_total, device=x.device, dtype=ctx.grad_dtype)
             da = torch.empty(meta.r_total, x.shape[1], device=x.device, dtype=ctx.grad_dtype)
             lora_row_reduce(dy, s, db, meta, out_is_b=True)
             lora_row_reduce(x, ds, da, meta, out_is_b=False)
@@ -150,5 +154,5 @@ def triton_multi_lora_linear(
         config = config_for(x.shape[0], seg_lens, weight.shape[1], weight.shape[0], max_rank, x.is_cuda)
     meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, scales, dropout_p, seeds,
                                weight.shape[1], weight.shape[0], x.device, config)
-    a_cat, b_cat = cat_adapters(lora_a, lora_b, meta.ranks)
-    return _TritonMultiLoRALinear.apply(x, weight, bias, meta, a_cat, b_cat)
+    a_cat, b_flat = cat_adapters(lora_a, lora_b, meta.ranks)
+    return _TritonMultiLoRALinear.apply(x, weight, bias, meta, a_cat, b_flat)

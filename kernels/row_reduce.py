@@ -28,11 +28,11 @@ _CHUNK_FIRST_COL = ADAPTER_INT_COLS.index("chunk_first")
 
 
 @triton.jit
-def _store_grad(out_ptr, acc, r_offset, rank, offs_n, offs_r, N, r_total, OUT_IS_B: tl.constexpr):
-    """Store acc [BLOCK_N, BLOCK_R] as adapter i's columns r_offset.. of dB [N, r_total] (the
-    adapters' B side by side) or its rows of dA [r_total, N] (the A stacked)."""
+def _store_grad(out_ptr, acc, r_offset, rank, offs_n, offs_r, N, OUT_IS_B: tl.constexpr):
+    """Store acc [BLOCK_N, BLOCK_R] as adapter i's dB_i, an [N, rank] block from element
+    N * r_offset of the flat dB, or as its rows r_offset.. of dA [r_total, N] (the A stacked)."""
     if OUT_IS_B:
-        ptrs = out_ptr + offs_n[:, None].to(tl.int64) * r_total + r_offset + offs_r[None, :]
+        ptrs = out_ptr + r_offset * N + offs_n[:, None].to(tl.int64) * rank + offs_r[None, :]
     else:
         ptrs = out_ptr + (r_offset + offs_r[None, :]).to(tl.int64) * N + offs_n[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_r < rank)[None, :])
@@ -43,7 +43,7 @@ def _row_reduce_kernel(
     # pointers
     u_ptr,  # [M, N] rows: dY (for dB) or x (for dA)
     v_ptr,  # [M, rank_stride] in u's dtype: S (for dB) or dS (for dA)
-    out_ptr,  # DIRECT: dB [N, r_total] or dA [r_total, N]; else fp32 partials [n_chunks, N, rank_stride]
+    out_ptr,  # DIRECT: dB (flat [N, r_i] blocks) or dA [r_total, N]; else fp32 partials [n_chunks, N, rank_stride]
     chunks_ptr,  # int64 [n_chunks, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
@@ -51,7 +51,6 @@ def _row_reduce_kernel(
     # sizes
     N,
     rank_stride,
-    r_total,
     # strides
     stride_um,
     stride_vm,
@@ -102,7 +101,7 @@ def _row_reduce_kernel(
             coef = scale
         else:
             coef = inv_keep
-        _store_grad(out_ptr, acc * coef, r_offset, rank, offs_n, offs_r, N, r_total, OUT_IS_B)
+        _store_grad(out_ptr, acc * coef, r_offset, rank, offs_n, offs_r, N, OUT_IS_B)
     else:
         part_ptrs = (out_ptr + chunk.to(tl.int64) * N * rank_stride
                      + offs_n[:, None].to(tl.int64) * rank_stride + offs_r[None, :])
@@ -113,14 +112,13 @@ def _row_reduce_kernel(
 def _chunk_sum_kernel(
     # pointers
     part_ptr,  # fp32 [n_chunks, N, rank_stride] partials of stage 1
-    out_ptr,  # dB [N, r_total] or dA [r_total, N]
+    out_ptr,  # dB (flat [N, r_i] blocks) or dA [r_total, N]
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
     seeds_ptr,  # int64 [n_adapters]: this layer's dropout seeds
     # sizes
     N,
     rank_stride,
-    r_total,
     # meta-parameters
     OUT_IS_B: tl.constexpr,
     N_INT_COLS: tl.constexpr,
@@ -151,19 +149,19 @@ def _chunk_sum_kernel(
         coef = scale
     else:
         coef = inv_keep
-    _store_grad(out_ptr, acc * coef, r_offset, rank, offs_n, offs_r, N, r_total, OUT_IS_B)
+    _store_grad(out_ptr, acc * coef, r_offset, rank, offs_n, offs_r, N, OUT_IS_B)
 
 
 def lora_row_reduce(
     u: torch.Tensor,  # [M, N] contiguous: dY (dB) or x (dA)
     v: torch.Tensor,  # [M, meta.rank_stride] in u's dtype: S (dB) or dS (dA)
-    out: torch.Tensor,  # dB [N, r_total] (the B_i side by side) or dA [r_total, N] (the A_i stacked)
+    out: torch.Tensor,  # dB flat (B_i's [N, r_i] block from N * r_offset_i) or dA [r_total, N] (the A_i stacked)
     meta: LoRABatchMeta,
     out_is_b: bool,
 ) -> torch.Tensor:
     """All adapters' dB (out_is_b) or dA, adapter i at its `r_offset` column or row."""
     assert u.is_contiguous() and v.shape == (u.shape[0], meta.rank_stride) and out.is_contiguous()
-    assert out.shape == ((u.shape[1], meta.r_total) if out_is_b else (meta.r_total, u.shape[1]))
+    assert out.numel() == u.shape[1] * meta.r_total
     cfg = meta.config
     N = u.shape[1]
     n_blocks = triton.cdiv(N, cfg.reduce_block_n)
@@ -177,7 +175,7 @@ def lora_row_reduce(
                                           dtype=torch.float32)
     _row_reduce_kernel[(meta.n_chunks, n_blocks, r_blocks)](
         u, v, part, *meta.chunk_args(),
-        N, meta.rank_stride, meta.r_total,
+        N, meta.rank_stride,
         u.stride(0), v.stride(0),
         OUT_IS_B=out_is_b,
         DIRECT=direct,
@@ -191,7 +189,7 @@ def lora_row_reduce(
         n_adapters = meta.adapters_i.shape[0]
         _chunk_sum_kernel[(n_adapters, n_blocks, r_blocks)](
             part, out, meta.adapters_i, meta.adapters_f, meta.seeds,
-            N, meta.rank_stride, meta.r_total,
+            N, meta.rank_stride,
             OUT_IS_B=out_is_b,
             CHUNK_FIRST_COL=_CHUNK_FIRST_COL,
             num_warps=4,

@@ -244,7 +244,7 @@ def test_each_kernel_matches_its_reference(config):
     ranks = [0 if a is None else a.shape[0] for a in lora_a]
     rows_with_lora = torch.cat([torch.full((n,), r > 0) for n, r in zip(seg_lens, ranks)])
     a_cat, b_cat = cat_adapters(lora_a, lora_b, meta.ranks)
-    a_pack, bt_pack = pack_adapters(a_cat, b_cat, x.dtype)
+    a_pack, bt_pack = pack_adapters(a_cat, b_cat, meta.ranks, x.dtype)
     assert a_pack.shape == (meta.r_total, x.shape[1]) and bt_pack.shape == (meta.r_total, weight.shape[0])
 
     s = torch.zeros(x.shape[0], meta.rank_stride)
@@ -267,14 +267,14 @@ def test_each_kernel_matches_its_reference(config):
     dx_ref = reference_lora_gemm(dy, weight, None, ds, lora_a, seg_lens, False, scales, dropout_p, seeds)
     assert_close(dx, dx_ref, what="gemm backward")
 
-    # dB [out, R_total]: the B_i side by side; dA [R_total, in]: the A_i stacked (cat_adapters' layout)
-    for out_is_b, u, v, shape in ((True, dy, s, (weight.shape[0], meta.r_total)),
+    # dB flat: the B_i blocks one after another; dA [R_total, in]: the A_i stacked (cat_adapters' layouts)
+    for out_is_b, u, v, shape in ((True, dy, s, (weight.shape[0] * meta.r_total,)),
                                   (False, x, ds, (meta.r_total, x.shape[1]))):
         got = torch.zeros(shape)
         lora_row_reduce(u, v, got, meta, out_is_b=out_is_b)
         refs = [g for g in reference_lora_row_reduce(u, v, meta.ranks, seg_lens, out_is_b, scales, dropout_p, seeds)
                 if g is not None]
-        want = torch.cat(refs, dim=1 if out_is_b else 0) if refs else torch.zeros(shape)
+        want = torch.cat([g.reshape(-1) if out_is_b else g for g in refs]) if refs else torch.zeros(shape)
         assert_close(got, want, what="dB" if out_is_b else "dA")
 
 

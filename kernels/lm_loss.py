@@ -85,7 +85,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_sums, g_counts):
         (grad,) = ctx.saved_tensors
-        lens = torch.tensor(ctx.seg_lens, device=grad.device)
+        lens = torch.tensor(ctx.seg_lens)  # pinned and asynchronous: no wait for the GPU mid-backward
+        lens = lens.pin_memory().to(grad.device, non_blocking=True) if grad.is_cuda else lens
         row_scale = g_sums.float().repeat_interleave(lens, output_size=grad.shape[0])  # (N,)
         return (grad * row_scale[:, None]).to(grad.dtype), None, None, None, None
 

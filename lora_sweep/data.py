@@ -201,14 +201,24 @@ def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device, length: int
             seg_tokens[owner] += pad  # a row's padding counts with its last sample's group
     targets_t = torch.tensor(targets, dtype=torch.long)
     batch = {
-        "input_ids": torch.tensor(ids, dtype=torch.long).to(device),
-        "targets": targets_t.to(device),
-        "keep_index": (targets_t.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1).to(device),
+        "input_ids": to_device(ids, torch.long, device),
+        "targets": to_device(targets_t, torch.long, device),
+        "keep_index": to_device((targets_t.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1), torch.long, device),
         "seg_tokens": seg_tokens,
     }
     if packed_row is None:
-        batch["attention_mask"] = torch.tensor(positions, dtype=torch.long).to(device)
-        batch["labels"] = torch.tensor(labels, dtype=torch.long).to(device)  # unshifted, as HF models take them
+        batch["attention_mask"] = to_device(positions, torch.long, device)
+        batch["labels"] = to_device(labels, torch.long, device)  # unshifted, as HF models take them
     else:
-        batch["position_ids"] = torch.tensor(positions, dtype=torch.long).to(device)
+        batch["position_ids"] = to_device(positions, torch.long, device)
     return batch
+
+
+def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list or tensor on `device`. On CUDA it goes through pinned memory and is
+    copied asynchronously: a plain copy from pageable memory makes the host wait until the
+    GPU has finished all the work queued before it, and a step makes a dozen of them."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.to(dtype).pin_memory().to(device, non_blocking=True)

@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import ConfigError, JobSpec, TrialConfig, check_against_model
-from .data import Sample, SampleStream, collate, load_rows, tokenize_rows
+from .data import Sample, SampleStream, collate, load_rows, to_device, tokenize_rows
 from .export import peft_key, save_peft_adapter
 from .kernels.lm_loss import per_adapter_lm_loss
 from .layers import MultiLoRALinear, SegmentTable
@@ -449,8 +449,8 @@ class PackedJob:
         with `torch.autograd.grad` and only added to `.grad` once every microbatch succeeded,
         so an out-of-memory error leaves nothing half-accumulated and the step is retried with
         a smaller cap."""
-        counts = torch.tensor([float(sum(s.loss_tokens for s in g)) for g in groups], device=self.device)
-        accum = torch.tensor([float(a.cfg.gradient_accumulation_steps) for a in adapters], device=self.device)
+        counts = to_device([float(sum(s.loss_tokens for s in g)) for g in groups], torch.float32, self.device)
+        accum = to_device([float(a.cfg.gradient_accumulation_steps) for a in adapters], torch.float32, self.device)
         while True:
             plan = self._microbatches(groups)
             try:
@@ -482,7 +482,7 @@ class PackedJob:
                 raise torch.OutOfMemoryError("simulated out of memory (test hook)")
             try:
                 part_sums, _ = self._adapter_losses([adapters[i] for i in index], groups, train=True)
-                idx = torch.tensor(index, device=self.device)
+                idx = to_device(index, torch.long, self.device)
                 loss = (part_sums / counts[idx] / accum[idx]).sum()
                 params = [p for i in index for p in self.optimizer.adapters[adapters[i].trial_id].params]
                 flat = torch.autograd.grad(loss, params)

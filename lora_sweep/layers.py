@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .data import to_device
 from .kernels import multi_lora_linear, uses_triton
 
 
@@ -49,7 +50,8 @@ class SegmentTable:
         if device not in self._layer_seeds:
             layers = np.arange(max(self.num_layers, layer_index + 1))[:, None]
             table = mix_seed(np.array(self.seeds)[None, :], layers, np.array(self.steps)[None, :])
-            self._layer_seeds[device] = table.tolist() if device is None else torch.from_numpy(table).to(device)
+            self._layer_seeds[device] = table.tolist() if device is None else to_device(torch.from_numpy(table),
+                                                                                        torch.int64, device)
         return self._layer_seeds[device][layer_index]
 
 

@@ -781,12 +781,10 @@ def _ridge_fit(features: np.ndarray, target: np.ndarray, prior: np.ndarray, stre
     scale = np.linalg.norm(features, axis=0)
     scale[scale == 0] = 1.0
     a = features / scale  # unit columns; unknowns u = coefs * scale
+    low = (np.zeros(len(prior)) if lower is None else np.asarray(lower, dtype=float)) * scale
     weight = np.sqrt(strength)
     a_aug = np.vstack([a, weight * np.eye(len(prior))])
-    b_aug = np.concatenate([target, weight * prior * scale])
-    low = (np.zeros(len(prior)) if lower is None else np.asarray(lower, dtype=float)) * scale
-    prior_u = np.maximum(prior * scale, low)
-    b_aug[len(target):] = weight * prior_u
+    b_aug = np.concatenate([target, weight * np.maximum(prior * scale, low)])  # a prior below the bound is lifted to it
     return lsq_linear(a_aug, b_aug, bounds=(low, np.inf)).x / scale
 
 

@@ -45,10 +45,10 @@ class AdapterOptState:
     schedule: Callable[[int], float]
     weight_decay: float
     max_grad_norm: float | None
-    flat: torch.Tensor = None
-    grad: torch.Tensor = None
-    exp_avg: torch.Tensor = None
-    exp_avg_sq: torch.Tensor = None
+    flat: torch.Tensor = field(init=False)
+    grad: torch.Tensor = field(init=False)
+    exp_avg: torch.Tensor = field(init=False)
+    exp_avg_sq: torch.Tensor = field(init=False)
     step: int = 0  # optimizer steps taken
 
     def __post_init__(self):

@@ -196,7 +196,8 @@ class JobSpec:
                                 "SIGTERM) under output_dir/checkpoints; a restart resumes from there."})
     padding: Literal["auto", "packed", "longest", "max_seq_len"] = field(
         default="auto",
-        metadata={"help": "packed: samples back to back in rows of max_seq_len (no padding waste); longest / "
+        metadata={"help": "packed: all samples back to back in one row, no padding (attention kept within each "
+                  "sample: FlashAttention's variable-length kernel on CUDA); longest / "
                   "max_seq_len: one row per sample, padded to the microbatch's longest sample or to max_seq_len "
                   "(then an adapter's arithmetic does not depend on its pack-mates, bit for bit). "
                   "auto: packed on CUDA, max_seq_len elsewhere."},

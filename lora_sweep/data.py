@@ -151,25 +151,35 @@ class SampleStream:
 
 
 def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device, length: int | None = None,
-            packed_row: int | None = None) -> dict:
+            packed: bool = False) -> dict:
     """One microbatch: the groups' samples in group order (an adapter's tokens stay contiguous).
 
     Two layouts:
 
-    * padded (`packed_row` None): one row per sample, right-padded to `length` (None: the
-      longest sample). Right padding, so real tokens never see padding under causal attention.
-    * packed (`packed_row=R`): samples back to back in rows of at most R tokens, a sample
-      never split across rows, each row's tail padded. Position ids restart at every sample and no attention
-      mask is passed, so transformers' attention keeps samples apart (its packed-sequence mask).
+    * padded: one row per sample, right-padded to `length` (None: the longest sample). Right
+      padding, so real tokens never see padding under causal attention.
+    * packed: every sample back to back in a single row, no padding. Position ids restart at
+      every sample and `cu_seq_lens` (the samples' start offsets, then the row's length) tells
+      `attention.packed_attention` where samples begin, so none attends to another.
 
     Returns the model inputs (`input_ids`, and `attention_mask` and HF-style unshifted `labels`,
-    or `position_ids`), `targets`
-    (the next token's label within the same sample, -100 elsewhere), `keep_index` (flat
-    positions with a target, found on the host so that selecting them on a GPU needs no sync)
-    and `seg_tokens` (each group's tokens, the padding that follows its samples included).
+    or `position_ids`, `cu_seq_lens` and `max_length`), `targets` (the next token's label within
+    the same sample, -100 elsewhere), `keep_index` (flat positions with a target, found on the
+    host so that selecting them on a GPU needs no sync) and `seg_tokens` (each group's tokens,
+    the padding that follows its samples included).
     """
     ids, targets, positions, seg_tokens, labels = [], [], [], [], []
-    if packed_row is None:
+    if packed:
+        starts = [0]
+        for group in groups:
+            seg_tokens.append(sum(len(s) for s in group))
+            for s in group:
+                ids += s.input_ids
+                targets += list(s.labels[1:]) + [IGNORE_INDEX]
+                positions += range(len(s))
+                starts.append(starts[-1] + len(s))
+        ids, targets, positions = [ids], [targets], [positions]
+    else:
         length = length or max(len(s) for g in groups for s in g)
         for group in groups:
             for s in group:
@@ -179,26 +189,6 @@ def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device, length: int
                 targets.append(list(s.labels[1:]) + [IGNORE_INDEX] * (pad + 1))
                 positions.append([1] * len(s) + [0] * pad)  # the attention mask
             seg_tokens.append(len(group) * length)
-    else:
-        rows = []  # (ids, targets, positions, group of its last sample), next-fit
-        for g, group in enumerate(groups):
-            seg_tokens.append(sum(len(s) for s in group))
-            for s in group:
-                if not rows or len(rows[-1][0]) + len(s) > packed_row:
-                    rows.append(([], [], [], g))
-                row_ids, row_targets, row_pos, _ = rows[-1]
-                row_ids += s.input_ids
-                row_targets += list(s.labels[1:]) + [IGNORE_INDEX]
-                row_pos += range(len(s))
-                rows[-1] = (row_ids, row_targets, row_pos, g)
-        # rows as long as the longest one needs (a multiple of 8), at most packed_row
-        width = min(packed_row, -(-max(len(r[0]) for r in rows) // 8) * 8)
-        for row_ids, row_targets, row_pos, owner in rows:
-            pad = width - len(row_ids)
-            ids.append(row_ids + [pad_id] * pad)
-            targets.append(row_targets + [IGNORE_INDEX] * pad)
-            positions.append(row_pos + list(range(pad)))
-            seg_tokens[owner] += pad  # a row's padding counts with its last sample's group
     targets_t = torch.tensor(targets, dtype=torch.long)
     batch = {
         "input_ids": to_device(ids, torch.long, device),
@@ -206,11 +196,13 @@ def collate(groups: Sequence[Sequence[Sample]], pad_id: int, device, length: int
         "keep_index": to_device((targets_t.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1), torch.long, device),
         "seg_tokens": seg_tokens,
     }
-    if packed_row is None:
+    if packed:
+        batch["position_ids"] = to_device(positions, torch.long, device)
+        batch["cu_seq_lens"] = to_device(starts, torch.int32, device)
+        batch["max_length"] = max(b - a for a, b in zip(starts[:-1], starts[1:]))
+    else:
         batch["attention_mask"] = to_device(positions, torch.long, device)
         batch["labels"] = to_device(labels, torch.long, device)  # unshifted, as HF models take them
-    else:
-        batch["position_ids"] = to_device(positions, torch.long, device)
     return batch
 
 

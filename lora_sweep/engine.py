@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from .config import ConfigError, JobSpec, TrialConfig, check_against_model
 from .data import Sample, SampleStream, collate, load_rows, to_device, tokenize_rows
 from .export import peft_key, save_peft_adapter
+from .attention import use_packed_attention
 from .kernels.lm_loss import per_adapter_lm_loss
 from .layers import MultiLoRALinear, SegmentTable
 from .model import inject_multi_lora, linear_layer_names, load_base_model, resolve_device, resolve_dtype, \
@@ -174,13 +175,16 @@ class PackedJob:
         self.segments = SegmentTable()
         self.layers = inject_multi_lora(self.model, spec.target_modules, self.segments)
         self.body, self.lm_head_weight = split_causal_lm(self.model)
-        # Microbatch layout. On CUDA samples are packed back to back (no padding waste). On CPU
+        # Microbatch layout. On CUDA samples are packed back to back in one row, no padding
+        # waste, with an attention that keeps them apart (attention.packed_attention). On CPU
         # each sample gets a row padded to max_seq_len: then the backward's reductions over the
         # sequence run in the same order whoever the pack-mates are (bit-identical isolation).
         padding = spec.padding if spec.padding != "auto" else ("packed" if self.device.type == "cuda"
                                                                else "max_seq_len")
         self.pad_length = spec.max_seq_len if padding == "max_seq_len" else None
-        self.packed_row = spec.max_seq_len if padding == "packed" else None
+        self.packed = padding == "packed"
+        if self.packed:
+            use_packed_attention(self.model)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:  # documented: the EOS token pads; padding is masked anyway
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
@@ -498,14 +502,9 @@ class PackedJob:
     def _padded_tokens(self, parts) -> int:
         """Tokens the model computes for these samples, padding included, in this job's layout."""
         lengths = [len(s) for _, samples in parts for s in samples]
-        if self.packed_row is None:
-            return len(lengths) * (self.pad_length or max(lengths))
-        rows, used = 1, 0  # the next-fit rows of `collate`
-        for n in lengths:
-            if used and used + n > self.packed_row:
-                rows, used = rows + 1, 0
-            used += n
-        return rows * self.packed_row
+        if self.packed:
+            return sum(lengths)
+        return len(lengths) * (self.pad_length or max(lengths))
 
     def _microbatches(self, groups: list[list[Sample]]) -> list[list[tuple[int, list[Sample]]]]:
         """Split a step's samples into microbatches of at most `microbatch_tokens` padded tokens.
@@ -516,7 +515,7 @@ class PackedJob:
             return everything
         from .planner import pack_microbatches  # the planner (cvxpy) loads only when a cap is hit
 
-        length = self.pad_length or self.packed_row or max(len(s) for g in groups for s in g)
+        length = self.pad_length or max(len(s) for g in groups for s in g)
         per_item = max(1, self.microbatch_tokens // length)
         items = [(i, g[k:k + per_item]) for i, g in enumerate(groups) for k in range(0, len(g), per_item)]
         bins = pack_microbatches([self._padded_tokens([item]) for item in items], self.microbatch_tokens,
@@ -535,12 +534,15 @@ class PackedJob:
     def _adapter_losses(self, adapters: list[_Adapter], groups: list[list[Sample]], train: bool):
         """Per-adapter (sum of token losses, number of loss tokens) of one microbatch, with the
         LM head and cross-entropy computed in row chunks instead of full logits."""
-        batch = collate(groups, self.pad_id, self.device, self.pad_length, self.packed_row)
+        batch = collate(groups, self.pad_id, self.device, self.pad_length, self.packed)
         # The table stays set until the caller's backward is done: gradient checkpointing
         # recomputes the layers' forward inside the backward and must see the same adapters.
         self.segments.set([a.key for a in adapters], batch["seg_tokens"],
                           [a.micro_steps for a in adapters] if train else None, [a.cfg.seed for a in adapters])
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        if self.packed:  # the samples' boundaries, under the names transformers passes to attention
+            inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],
+                          max_length_q=batch["max_length"], max_length_k=batch["max_length"])
         hidden = self.body(**inputs, use_cache=False).last_hidden_state
         # keep only positions whose next token carries a label, adapter by adapter
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["keep_index"])

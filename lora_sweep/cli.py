@@ -39,7 +39,7 @@ SWEEP_KEYS = {
     "trial_defaults": "TrialConfig fields every trial shares",
     # the planner
     "max_adapters_per_job": "most trials in one job (default: memory decides)",
-    "objective": "tokens or rank: what a job's throughput counts (default tokens)",
+    "objective": "time, tokens or rank: what a job's throughput counts (default time: jobs fill up)",
     "gantt": "where `plan` writes its chart (default <sweep>_plan.png)",
     # training (`run`)
     "train_data": "training rows (.jsonl/.json)",
@@ -165,7 +165,7 @@ def read_sweep(path: str) -> dict:
     if "model" not in sweep:
         raise ValueError(f"The sweep file {path!r} has no `model`: {SWEEP_KEYS['model']}.")
     defaults = dict(max_seq_len=512, dtype="auto", gradient_checkpointing=False, gpus=8, gpu_memory_gb=80,
-                    gpu="h100-sxm", load_factor=0.9, n_trials=120, seed=0, steps=200, objective="tokens")
+                    gpu="h100-sxm", load_factor=0.9, n_trials=120, seed=0, steps=200, objective="time")
     return {**defaults, **sweep}
 
 

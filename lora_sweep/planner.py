@@ -169,19 +169,30 @@ def _hms(seconds: float) -> str:
 
 # --------------------------------------------------------------------------- one job: the throughput MILP
 
-Objective = Literal["tokens", "rank"]
+Objective = Literal["time", "tokens", "rank"]
 JOB_MILP_TIME_LIMIT_S = 2.0  # a safety net per solve (they take milliseconds): the best job so far stands
 
 
-def _value(cm: CostModel, trial: TrialConfig, objective: Objective) -> float:
-    """What training `trial` counts for in a job's throughput, over all its steps: its
-    tokens (PLoRA's training throughput), or its rank (adapter ranks per step time)."""
+def packed_seconds(cm: CostModel, trial: TrialConfig, num_gpus: int, max_adapters: Optional[int] = None) -> float:
+    """GPU-seconds `trial` is expected to cost once packed on `num_gpus` GPUs: its own step
+    time, plus its share of the fixed step time with as many such trials as fit in one job."""
+    d = num_gpus
+    peers = max(1, min(int(cm.trial_budget(d) // max(cm.trial_memory(trial), 1.0)), max_adapters or 10**9))
+    return d * trial.max_steps * (cm.trial_step_seconds(trial, d) + cm.fixed_step_seconds(d) / peers)
+
+
+def _value(cm: CostModel, trial: TrialConfig, objective: Objective, num_gpus: int,
+           max_adapters: Optional[int]) -> float:
+    """What training `trial` counts for in a job's throughput, over all its steps: the GPU
+    time it costs in a full pack (`packed_seconds`), its tokens (PLoRA's training
+    throughput), or its rank (adapter ranks per step time)."""
+    if objective == "time":
+        return packed_seconds(cm, trial, num_gpus, max_adapters)
     if objective == "rank":
         return float(trial.rank * trial.max_steps)
     if objective == "tokens":
         return float(trial.batch_size * trial.gradient_accumulation_steps * cm.max_seq_len * trial.max_steps)
-    raise ValueError(f"The value of `objective` is {objective!r}, but must be 'tokens' or 'rank'.")
-
+    raise ValueError(f"The value of `objective` is {objective!r}, but must be 'time', 'tokens' or 'rank'.")
 
 
 class _JobMILP:
@@ -190,8 +201,7 @@ class _JobMILP:
     A job of trials x (binary) runs ``max(steps)`` steps of a fixed time plus each trial's own
     step time for each of its steps (`CostModel.job_seconds`), so its duration D(x) is linear
     once the job's step count is a variable ``S >= steps_i x_i``. Its throughput is
-    ``w.x / D(x)`` with w_i the trial's tokens (or rank) times its steps: with equal steps,
-    the tokens (or the sum of adapter ranks) per step time. Dinkelbach's method turns the ratio into a few
+    ``w.x / D(x)`` with w_i the trial's worth over its steps (`_value`). Dinkelbach's method turns the ratio into a few
     linear MILPs: for a lambda reached by a feasible job, solve ``max w.x - lambda D(x)``;
     if the best value is 0 the job with ratio lambda is optimal, else its solution has a
     higher ratio and becomes the next lambda.
@@ -205,7 +215,7 @@ class _JobMILP:
                  objective: str):
         import cvxpy as cp
         n, d = len(trials), num_gpus
-        self.weight = np.array([_value(cm, t, objective) for t in trials])
+        self.weight = np.array([_value(cm, t, objective, d, max_adapters) for t in trials])
         self.steps = np.array([t.max_steps for t in trials], dtype=float)
         self.seconds = np.array([cm.trial_step_seconds(t, d) * t.max_steps for t in trials])
         self.fixed = cm.fixed_step_seconds(d)
@@ -288,14 +298,21 @@ def best_job(
     required: Optional[TrialConfig] = None,
     max_seconds: float = math.inf,
     max_adapters: Optional[int] = None,
-    objective: Objective = "tokens",
+    objective: Objective = "time",
 ) -> tuple[list[TrialConfig], float]:
     """The subset of `trials` whose packed job on `num_gpus` GPUs has the highest throughput.
 
-    Throughput is what the trials train, summed over their steps, per second of the job's
-    predicted duration: tokens (``objective="tokens"``, PLoRA's training throughput) or
-    adapter ranks (``objective="rank"``; with equal ``max_steps``, the sum of ranks per step
-    time). The job must fit in memory, last at most `max_seconds` and hold at most
+    Throughput is what the trials are worth, summed over their steps, per second of the
+    job's predicted duration. With ``objective="time"`` (the default) a trial is worth the GPU
+    time it costs in a full pack (`packed_seconds`: its own step time plus its share of the
+    fixed step time), so every trial that fits raises the throughput until memory is full:
+    the job that packs the most work per second, which is what shortens a sweep. The other
+    objectives are PLoRA's: tokens (``"tokens"``, training throughput) or adapter ranks
+    (``"rank"``; with equal ``max_steps``, the sum of ranks per step time). Both undervalue
+    small trials: one of batch 1 trains few tokens, so the best job leaves it out, and it
+    then runs in a job of its own, paying the fixed step time alone.
+
+    The job must fit in memory, last at most `max_seconds` and hold at most
     `max_adapters` trials. This 0-1 linear-fractional program is solved exactly by
     Dinkelbach's method: a short sequence of linear MILPs (cvxpy, HiGHS), see `_JobMILP`.
 
@@ -321,11 +338,11 @@ def best_job(
         max_adapters:
             Most trials in the job.
         objective:
-            ``"tokens"`` or ``"rank"``: what a trial's training counts for.
+            ``"time"``, ``"tokens"`` or ``"rank"``: what a trial's training counts for.
 
     Returns:
-        The chosen trials (empty if none fits) and the job's throughput (tokens or
-        rank-steps per second).
+        The chosen trials (empty if none fits) and the job's throughput (packed GPU-seconds,
+        tokens or rank-steps per second).
     """
     trials = list(trials)
     if not trials:
@@ -348,7 +365,7 @@ def plan(
     gpu: Union[str, Any] = "h100-sxm",
     cost_model: Optional[CostModel] = None,
     max_adapters_per_job: Optional[int] = None,
-    objective: Objective = "tokens",
+    objective: Objective = "time",
     **cost_model_kwargs: Any,
 ) -> Plan:
     """Schedule every trial of a sweep into packed jobs on `num_gpus` GPUs.
@@ -368,8 +385,9 @@ def plan(
        an anchor that needs many GPUs does not drag small trials onto slower, wider jobs.
     3. Tail effect: a job may not run past the time at which all GPUs would be done if the
        remaining work were spread evenly (unless its anchor alone takes longer), so the last
-       jobs get fewer trials and end together; and a job that takes the last pending trials
-       uses the number of free GPUs that finishes it soonest.
+       jobs get fewer trials and end together (on one GPU there is no tail to balance); and a
+       job that takes the last pending trials uses the number of free GPUs that finishes it
+       soonest.
 
     A trial that does not fit in memory even alone on all `num_gpus` GPUs is not planned: its
     `ConfigError` (naming it and the memory it needs) goes to `Plan.failed`, with a warning.
@@ -403,9 +421,9 @@ def plan(
         max_adapters_per_job:
             Most trials in one job (None: memory decides).
         objective:
-            What a job's throughput counts (see `best_job`): ``"tokens"`` trained per second
-            (the default: it weighs trials by the compute they need, so it minimises GPU
-            time) or ``"rank"``, the sum of adapter ranks per step time.
+            What a job's throughput counts (see `best_job`): ``"time"``, the GPU time its
+            trials would cost in full packs (the default: jobs fill up, which minimises the
+            makespan), ``"tokens"`` trained (PLoRA's) or ``"rank"``, adapter ranks.
         cost_model_kwargs:
             Passed to `CostModel.from_model`: ``max_seq_len``, ``dtype``,
             ``gradient_checkpointing``, ``target_modules``, ``load_factor``, ...
@@ -445,15 +463,8 @@ class _Scheduler:
         self.eligible: dict[int, np.ndarray] = {}  # per GPU count: trials that may fill its jobs
         self.min_gpus = np.array([cm.min_gpus(t, num_gpus) for t in trials], dtype=int)
         self.alone = np.array([cm.job_seconds([t], d) for t, d in zip(trials, self.min_gpus)])
-        self.work = np.array([self._work(t, d) for t, d in zip(trials, self.min_gpus)])
+        self.work = np.array([packed_seconds(cm, t, d, max_adapters) for t, d in zip(trials, self.min_gpus)])
         self.lpt_order = np.argsort(-self.alone, kind="stable")
-
-    def _work(self, trial: TrialConfig, d: int) -> float:
-        """GPU-seconds a trial will cost once packed: its own step time, plus the fixed step
-        time shared with as many such trials as fit in one job."""
-        cm = self.cm
-        peers = max(1, min(int(cm.trial_budget(d) // max(cm.trial_memory(trial), 1.0)), self.max_adapters or 10**9))
-        return d * trial.max_steps * (cm.trial_step_seconds(trial, d) + cm.fixed_step_seconds(d) / peers)
 
     def milp(self, d: int) -> _JobMILP:
         if d not in self.milps:
@@ -511,7 +522,8 @@ class _Scheduler:
             alone = self.cm.job_seconds([self.trials[anchor]], d)
             if now + alone > deadline:
                 continue
-            cap = min(max(level - now, alone), deadline - now)
+            # one GPU has no tail to balance: nothing else could run while this job runs
+            cap = deadline - now if self.num_gpus == 1 else min(max(level - now, alone), deadline - now)
             milp = self.milp(d)
             available = self.pending & self.eligible[d]
             available[anchor] = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -13,7 +14,7 @@ import pytest
 
 from lora_sweep.config import ConfigError, TrialConfig
 from lora_sweep.costmodel import CostModel
-from lora_sweep.planner import FailedTrial, Plan, admit, best_job, pack_microbatches, plan
+from lora_sweep.planner import FailedTrial, Plan, admit, best_job, pack_microbatches, packed_seconds, plan
 from lora_sweep.planner import _first_fit_decreasing
 
 QWEN_7B = "qwen2.5-7b"
@@ -50,14 +51,17 @@ def _brute_force(cm, trials, d, objective, required=None, max_seconds=math.inf, 
                 continue
             if not cm.fits(subset, d) or cm.job_seconds(subset, d) > max_seconds:
                 continue
-            value = sum((t.rank if objective == "rank" else t.batch_size * cm.max_seq_len) * t.max_steps
-                        for t in subset)
+            if objective == "time":
+                value = sum(packed_seconds(cm, t, d, max_adapters) for t in subset)
+            else:
+                value = sum((t.rank if objective == "rank" else t.batch_size * cm.max_seq_len) * t.max_steps
+                            for t in subset)
             best = max(best, value / cm.job_seconds(subset, d))
     return best
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("objective", ["tokens", "rank"])
+@pytest.mark.parametrize("objective", ["time", "tokens", "rank"])
 @pytest.mark.parametrize("num_gpus", [1, 2])
 def test_best_job_equals_brute_force(cm, seed, objective, num_gpus):
     rng = random.Random(seed)
@@ -77,8 +81,23 @@ def test_best_job_with_anchor_cap_and_adapter_limit_equals_brute_force(cm, seed)
     cap = 2.5 * cm.job_seconds([anchor], 1)
     chosen, throughput = best_job(cm, trials, 1, required=anchor, max_seconds=cap, max_adapters=3)
     assert anchor in chosen and len(chosen) <= 3 and cm.job_seconds(chosen, 1) <= cap * (1 + 1e-9)
-    expected = _brute_force(cm, trials, 1, "tokens", required=anchor, max_seconds=cap, max_adapters=3)
+    expected = _brute_force(cm, trials, 1, "time", required=anchor, max_seconds=cap, max_adapters=3)
     assert throughput == pytest.approx(expected, rel=1e-9)
+
+
+def test_one_gpu_packs_every_trial_that_fits_into_one_job():
+    """With a large fixed step time (what a host-bound step is), small trials are worth
+    packing: leaving one out makes it pay the fixed time alone later. The default objective
+    packs all 16 into one job; PLoRA's token throughput leaves the low-batch ones out."""
+    cm = CostModel.from_model("llama-3.2-1b", gpu="h200", max_seq_len=256)
+    cal = dataclasses.replace(cm.calibration, time_coefs=[0.2, 0.004] + cm.calibration.time_coefs[2:])
+    cm = dataclasses.replace(cm, calibration=cal)
+    trials = plora_table1(16, seed=0, max_steps=20)
+    assert cm.fits(trials, 1)
+    packed = plan(None, trials, num_gpus=1, cost_model=cm)
+    assert [len(j.trials) for j in packed.jobs] == [16]
+    by_tokens = plan(None, trials, num_gpus=1, cost_model=cm, objective="tokens")
+    assert len(by_tokens.jobs) > 1 and by_tokens.makespan > 1.2 * packed.makespan
 
 
 def test_best_job_when_nothing_fits(cm):

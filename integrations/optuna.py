@@ -69,6 +69,7 @@ SearchSpace = Union[None, Callable[[Trial], Union[TrialConfig, Mapping[str, Any]
 _WORKER = "lora_sweep:worker"  # trial system attr: id of the worker running it
 _HEARTBEAT = "lora_sweep:heartbeat:"  # study system attr prefix: + worker id -> last time.time() it was alive
 _STALE_AFTER_BEATS = 3  # a worker silent for this many heartbeat intervals is dead
+_ORPHAN_AFTER_S = 10.0  # an unclaimed trial this old was created by a worker that died at once
 
 
 class PackedLoRASampler(BaseSampler):
@@ -314,6 +315,7 @@ class _Sweep:
                             unit="trial", disable=not self._bar_enabled, dynamic_ncols=True)
             try:
                 yield
+                self.restart_stale_trials()  # an orphan found too young at the start is old enough now
             finally:
                 self.bar.close()
                 if self.heartbeat is not None:
@@ -764,7 +766,8 @@ def _restart_stale_trials(study: Study, worker_id: str, stale_after: float, incl
 
     A worker that dies within the instant between creating a trial and claiming it leaves an
     unowned trial without params; in a study whose trials all come from lora_sweep workers,
-    such a trial older than `stale_after` is failed too (there is nothing to enqueue).
+    such a trial older than `stale_after` (at most `_ORPHAN_AFTER_S`) is failed too (there is
+    nothing to enqueue).
     """
     beats = study._storage.get_study_system_attrs(study._study_id)
     now = time.time()
@@ -803,9 +806,10 @@ def _requeue(study: Study, trial: Union[Trial, FrozenTrial], reason: str) -> Non
 
 
 def _orphaned(trial: FrozenTrial, stale_after: float) -> bool:
-    """A RUNNING trial that nobody claimed, without params or reports, older than `stale_after`."""
+    """A RUNNING trial that nobody claimed, without params or reports, older than `stale_after`
+    or `_ORPHAN_AFTER_S` (a live worker claims its trial in the call that creates it)."""
     age = (datetime.datetime.now() - trial.datetime_start).total_seconds() if trial.datetime_start else 0.0
-    return not trial.params and not trial.intermediate_values and age > stale_after
+    return not trial.params and not trial.intermediate_values and age > min(stale_after, _ORPHAN_AFTER_S)
 
 
 def _is_dead(worker_id: str, last_beat: Optional[float], now: float, stale_after: float) -> bool:

@@ -59,11 +59,13 @@ def build_model(name: str) -> nn.Module:
 
 
 def strip_adapters(model: nn.Module) -> nn.Module:
-    """Put the plain linear layers back after a packed job, so the next run starts clean."""
+    """Put the plain linear layers and SDPA attention back after a packed job, so the next
+    run (PEFT's included) starts clean."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, MultiLoRALinear):
                 setattr(module, name, child.base_layer)
+    model.config._attn_implementation = "sdpa"
     return model
 
 

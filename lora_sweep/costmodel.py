@@ -146,6 +146,8 @@ PRESETS: dict[str, dict] = {
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
 }

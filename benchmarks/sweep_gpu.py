@@ -34,7 +34,7 @@ from torch import nn
 
 import lora_sweep as ls
 from lora_sweep.costmodel import PRESETS, ModelShape
-from lora_sweep.layers import MultiLoRALinear
+from lora_sweep.layers import FusedRMSNorm, MultiLoRALinear
 from lora_sweep.tiny import tiny_model_path
 
 from benchmarks.peft_baseline import peft_model_for, train_alone_with_peft
@@ -59,12 +59,14 @@ def build_model(name: str) -> nn.Module:
 
 
 def strip_adapters(model: nn.Module) -> nn.Module:
-    """Put the plain linear layers and SDPA attention back after a packed job, so the next
-    run (PEFT's included) starts clean."""
+    """Put the plain linear layers, the model's own norms and SDPA attention back after a
+    packed job, so the next run (PEFT's included) starts clean."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, MultiLoRALinear):
                 setattr(module, name, child.base_layer)
+            elif isinstance(child, FusedRMSNorm):
+                setattr(module, name, child.original)
     model.config._attn_implementation = "sdpa"
     return model
 
@@ -285,12 +287,15 @@ def makespan(model_name, seq, steps, log, microbatch_tokens) -> dict:
     base_cm = CostModel.from_model(PRESETS[model_name], gpu=detect(), max_seq_len=seq, dtype="bfloat16")
 
     # calibrate the packed engine from profiled steps of varied jobs (PLoRA profiles 10): pack
-    # sizes from 1 to 8, and ranks and batch sizes that do not grow together, so the fit can
-    # tell per-step, per-adapter, token and rank costs apart
+    # sizes from 1 to 10, and ranks and batch sizes that do not grow together, so the fit can
+    # tell per-step, per-adapter, token and rank costs apart; the last two jobs step as many
+    # tokens as a full pack of Table-1 configs, where the token cost dominates
     probe = [ls.TrialConfig(rank=r, alpha=2 * r, batch_size=b, max_steps=10**6, trial_id=f"p{i}")
-             for i, (r, b) in enumerate([(8, 1), (16, 4), (32, 8), (64, 2), (128, 16), (16, 32), (128, 1), (8, 16)])]
+             for i, (r, b) in enumerate([(8, 1), (16, 4), (32, 8), (64, 2), (128, 16), (16, 32), (128, 1), (8, 16),
+                                         (32, 64), (64, 48)])]
     stats = []
-    for members in ([0], [5], [4], [0, 1, 2], [3, 6, 7], [5, 6], [0, 1, 2, 3, 4, 5], list(range(8))):
+    for members in ([0], [5], [4], [0, 1, 2], [3, 6, 7], [5, 6], [0, 1, 2, 3, 4, 5], list(range(8)), [8, 9],
+                    [4, 5, 7, 8, 9]):
         job = ls.PackedJob(spec, [probe[i] for i in members], progress=False)
         stats += profile_job(job, steps=3, warmup=2)
         del job

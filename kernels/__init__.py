@@ -6,7 +6,8 @@ Triton path explicitly (CPU tensors too, under TRITON_INTERPRET=1). Triton is im
 when its path runs, so the reference works without it.
 
 `per_adapter_lm_loss` is the chunked LM head + cross-entropy: per-adapter token-loss sums
-without materialising the [tokens, vocab] logits.
+without materialising the [tokens, vocab] logits. `rms_norm` is a frozen model's RMSNorm in
+one kernel each way (Triton on CUDA, as `uses_triton` decides).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from .dropout import dropout_keep_mask
 from .lm_loss import per_adapter_lm_loss, reference_per_adapter_lm_loss
-from .reference import Seeds, reference_multi_lora_linear
+from .reference import Seeds, reference_multi_lora_linear, reference_rms_norm
 
 _warned_no_triton = False
 
@@ -61,6 +62,16 @@ def multi_lora_linear(
     return reference_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seed)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm with a frozen weight: `reference_rms_norm` in two Triton
+    kernels on CUDA, the reference itself elsewhere."""
+    if uses_triton(x):
+        from .rmsnorm import rms_norm as run
+
+        return run(x, weight, eps)
+    return reference_rms_norm(x, weight, eps)
+
+
 def triton_multi_lora_linear(*args, **kwargs) -> torch.Tensor:
     """The Triton path explicitly (see `multi_lora.triton_multi_lora_linear`)."""
     from .multi_lora import triton_multi_lora_linear as run
@@ -76,4 +87,5 @@ __all__ = [
     "dropout_keep_mask",
     "per_adapter_lm_loss",
     "reference_per_adapter_lm_loss",
+    "rms_norm",
 ]

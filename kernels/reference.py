@@ -2,7 +2,8 @@
 
 This is the segmented loop: one base GEMM for all rows, then each adapter's LoRA term on
 its own contiguous rows (mLoRA's BatchLoRA). The Triton kernels must compute the same
-function; tests compare against this, and `MultiLoRALinear` runs it on CPU.
+function; tests compare against this, and `MultiLoRALinear` runs it on CPU. Beside it,
+transformers' RMSNorm, the reference of `rmsnorm.py`.
 """
 
 from __future__ import annotations
@@ -71,3 +72,10 @@ def reference_multi_lora_linear(
         return base
     delta = torch.cat([d.to(torch.promote_types(d.dtype, base.dtype)) for d in deltas])
     return (base + delta).to(base.dtype)
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Llama, Qwen2, Mistral, ...), as its modelling files write it."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .data import to_device
-from .kernels import multi_lora_linear, uses_triton
+from .kernels import multi_lora_linear, rms_norm, uses_triton
 
 
 @dataclass
@@ -138,3 +138,28 @@ class MultiLoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={list(self.lora_A)}"
+
+
+class FusedRMSNorm(nn.Module):
+    """A frozen transformers RMSNorm (`FUSABLE_NORMS`) computed by `kernels.rms_norm`: one
+    kernel each way on CUDA instead of about sixteen fp32 elementwise passes, the same
+    formula elsewhere. It keeps the wrapped module's `weight` and `variance_epsilon` under
+    their own names, so the model's state dict does not change; `original` is the module it
+    replaced."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        self.weight = original.weight
+        self.variance_epsilon = float(original.variance_epsilon)
+        self.__dict__["original"] = original  # not a submodule: no second copy of `weight` in the state dict
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+# transformers' RMSNorms that compute weight * bf16(x * rsqrt(mean(x^2) + eps)); others (Gemma's
+# 1 + weight, for one) keep their own forward
+FUSABLE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Qwen2MoeRMSNorm")

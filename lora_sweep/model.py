@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, JobSpec
-from .layers import MultiLoRALinear, SegmentTable
+from .layers import FUSABLE_NORMS, FusedRMSNorm, MultiLoRALinear, SegmentTable
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,18 @@ def inject_multi_lora(model: nn.Module, target_modules, segments: SegmentTable) 
                 layers[name] = layer
     segments.num_layers = len(layers)
     return layers
+
+
+def fuse_rms_norms(model: nn.Module) -> int:
+    """Replace the model's frozen RMSNorms of the kinds in `FUSABLE_NORMS` by `FusedRMSNorm`,
+    in place. Returns how many were replaced."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child).__name__ in FUSABLE_NORMS and not child.weight.requires_grad:
+                setattr(module, name, FusedRMSNorm(child))
+                count += 1
+    return count
 
 
 def split_causal_lm(model: nn.Module) -> tuple[nn.Module, torch.Tensor]:

@@ -402,19 +402,22 @@ def plot(result: dict, path: str) -> None:
 
     rows = result.get("throughput", [])
     keys = sorted({(r["model"], r["seq"], r["batch"], r["ranks"]) for r in rows})
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    groups = sorted({k[:3] for k in keys})  # one colour per model, sequence and batch; ranks by line style
+    colors = {g: plt.get_cmap("tab10")(i % 10) for i, g in enumerate(groups)}
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     for key in keys:
         pts = sorted((r["adapters"], r["tokens_per_s"]) for r in rows if (r["model"], r["seq"], r["batch"],
                                                                           r["ranks"]) == key)
-        line, = ax.plot(*zip(*pts), marker="o", label=f"{key[0]} seq {key[1]} b{key[2]} r={key[3]}")
+        ax.plot(*zip(*pts), marker="o", color=colors[key[:3]], linestyle="-" if key[3] == "16" else "--",
+                label=f"{key[0]} seq {key[1]} b{key[2]} r={key[3]}")
         solo = next(r["solo_tokens_per_s"] for r in rows if (r["model"], r["seq"], r["batch"], r["ranks"]) == key)
-        ax.axhline(solo, color=line.get_color(), linestyle=":", linewidth=1)
+        ax.axhline(solo, color=colors[key[:3]], linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("adapters packed in one job")
     ax.set_ylabel("tokens / s (dotted: one adapter alone with PEFT)")
     ax.set_title(f"lora_sweep packed jobs, {result['gpu']}")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

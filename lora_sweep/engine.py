@@ -31,10 +31,10 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 from tqdm.auto import tqdm
 
+from .attention import use_packed_attention
 from .config import ConfigError, JobSpec, TrialConfig, check_against_model
 from .data import Sample, SampleStream, collate, load_rows, to_device, tokenize_rows
 from .export import peft_key, save_peft_adapter
-from .attention import use_packed_attention
 from .kernels.lm_loss import per_adapter_lm_loss
 from .layers import MultiLoRALinear, SegmentTable
 from .model import fuse_rms_norms, inject_multi_lora, linear_layer_names, load_base_model, resolve_device, \

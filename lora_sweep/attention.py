@@ -28,6 +28,8 @@ try:
 except ImportError:  # torch < 2.10
     varlen_attn = None
 _VARLEN_ARGS = inspect.signature(varlen_attn).parameters if varlen_attn is not None else {}
+# causal within each sample: a flag in some torch versions, a (left, right) window in others
+_VARLEN_CAUSAL = {"is_causal": True} if "is_causal" in _VARLEN_ARGS else {"window_size": (-1, 0)}
 
 
 def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -70,13 +72,13 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 def _varlen(q, k, v, cu_seq_lens, max_len, scale, groups):
     """FlashAttention over [tokens, heads, head_dim] tensors, causal within each sample."""
-    causal = {"is_causal": True} if "is_causal" in _VARLEN_ARGS else {"window_size": (-1, 0)}
+    gqa = {}
     if groups > 1:
         if "enable_gqa" in _VARLEN_ARGS:
-            causal["enable_gqa"] = True
-        else:  # older torch: every query head gets its own copy of its key/value head
+            gqa = {"enable_gqa": True}
+        else:  # no GQA flag: every query head gets its own copy of its key/value head
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_len, max_len, scale=scale, **causal)
+    return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_len, max_len, scale=scale, **_VARLEN_CAUSAL, **gqa)
 
 
 def _padding_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:

@@ -6,40 +6,21 @@ Triton path explicitly (CPU tensors too, under TRITON_INTERPRET=1). Triton is im
 when its path runs, so the reference works without it.
 
 `per_adapter_lm_loss` is the chunked LM head + cross-entropy: per-adapter token-loss sums
-without materialising the [tokens, vocab] logits. `rms_norm` is a frozen model's RMSNorm in
-one kernel each way (Triton on CUDA, as `uses_triton` decides).
+without materialising the [tokens, vocab] logits (its cross-entropy in one Triton kernel on
+CUDA). `rms_norm` is a frozen model's RMSNorm and `silu_mul` a gated MLP's SiLU(gate) * up,
+each one kernel each way (Triton on CUDA, as `uses_triton` decides).
 """
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Optional, Sequence
 
 import torch
 
+from .dispatch import uses_triton
 from .dropout import dropout_keep_mask
 from .lm_loss import per_adapter_lm_loss, reference_per_adapter_lm_loss
-from .reference import Seeds, reference_multi_lora_linear, reference_rms_norm
-
-_warned_no_triton = False
-
-
-def uses_triton(x: torch.Tensor) -> bool:
-    """Whether `multi_lora_linear` runs the Triton kernels for `x`: on CUDA, unless
-    `LORA_SWEEP_KERNELS=torch` or Triton is not installed."""
-    global _warned_no_triton
-    if not x.is_cuda or os.environ.get("LORA_SWEEP_KERNELS", "") == "torch":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if not _warned_no_triton:
-            warnings.warn("Triton is not installed (`pip install lora-sweep[triton]`): "
-                          "using the torch reference of the multi-LoRA linear.")
-            _warned_no_triton = True
-        return False
-    return True
+from .reference import Seeds, reference_multi_lora_linear, reference_rms_norm, reference_silu_mul
 
 
 def multi_lora_linear(
@@ -72,6 +53,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return reference_rms_norm(x, weight, eps)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's SiLU(gate) * up: `reference_silu_mul` in one Triton kernel each way on
+    CUDA, the reference itself elsewhere."""
+    if uses_triton(gate):
+        from .swiglu import silu_mul as run
+
+        return run(gate, up)
+    return reference_silu_mul(gate, up)
+
+
 def triton_multi_lora_linear(*args, **kwargs) -> torch.Tensor:
     """The Triton path explicitly (see `multi_lora.triton_multi_lora_linear`)."""
     from .multi_lora import triton_multi_lora_linear as run
@@ -88,4 +79,5 @@ __all__ = [
     "per_adapter_lm_loss",
     "reference_per_adapter_lm_loss",
     "rms_norm",
+    "silu_mul",
 ]

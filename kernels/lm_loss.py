@@ -2,11 +2,12 @@
 
 `per_adapter_lm_loss` walks each adapter's rows in chunks of `chunk_rows` (chunks never
 span two adapters and start at the adapter's own first row), computes the chunk's logits
-in the hidden's dtype, upcasts them to fp32 for the log-softmax (as transformers does) and
-keeps only the per-row losses. When `hidden` needs a gradient, the same pass turns the
-chunk's probabilities into d(sum of losses)/d(hidden) (softmax - onehot) @ W and stores only
-that [N, H] tensor; backward scales its rows by the adapter's incoming gradient. So the
-[N, V] logits never exist, and the logits are never recomputed.
+in the hidden's dtype, takes their token cross-entropy in fp32 (as transformers upcasts) and
+keeps only the per-row losses (`cross_entropy.py` on CUDA, its torch reference elsewhere).
+When `hidden` needs a gradient, the same pass turns the chunk's logits into
+d(sum of losses)/d(hidden) = (softmax - onehot) @ W and stores only that [N, H] tensor;
+backward scales its rows by the adapter's incoming gradient. So the [N, V] logits never
+exist, and the logits are never recomputed.
 
 Determinism: an adapter's sum depends only on its own rows: same chunk shapes, same
 (>= 256-byte aligned) operands, same reduction order, whatever else is packed. The engine
@@ -20,7 +21,9 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from .dispatch import uses_triton
+from .reference import IGNORE_INDEX, reference_cross_entropy_rows
+
 _ALIGN = 256  # bytes; a chunk's operand is copied when its slice starts off this alignment
 
 
@@ -43,18 +46,14 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def _chunk_loss(h, weight, t, need_grad):
     """Per-row losses (fp32) of one chunk and, if asked, d(sum of losses)/dh."""
-    logits = (h @ weight.t()).float()  # (rows, V): in the hidden's dtype, upcast for the softmax
-    valid = t != IGNORE_INDEX
-    safe_t = t.clamp(min=0)
-    lse = torch.logsumexp(logits, dim=-1)
-    target_logit = logits.gather(1, safe_t[:, None])[:, 0]
-    losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
-    if not need_grad:
-        return losses, None
-    probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-    probs.scatter_add_(1, safe_t[:, None], -torch.ones_like(lse)[:, None])
-    probs.mul_(valid[:, None])
-    return losses, probs.to(h.dtype) @ weight  # (rows, H)
+    logits = h @ weight.t()  # (rows, V), in the hidden's dtype as the model's LM head computes them
+    if uses_triton(logits):
+        from .cross_entropy import cross_entropy_rows
+
+        losses, grad_logits = cross_entropy_rows(logits, t, need_grad)
+    else:
+        losses, grad_logits = reference_cross_entropy_rows(logits, t, need_grad)
+    return losses, (grad_logits @ weight if need_grad else None)  # (rows, H)
 
 
 class _ChunkedLMLoss(torch.autograd.Function):

@@ -2,8 +2,9 @@
 
 This is the segmented loop: one base GEMM for all rows, then each adapter's LoRA term on
 its own contiguous rows (mLoRA's BatchLoRA). The Triton kernels must compute the same
-function; tests compare against this, and `MultiLoRALinear` runs it on CPU. Beside it,
-transformers' RMSNorm, the reference of `rmsnorm.py`.
+function; tests compare against this, and `MultiLoRALinear` runs it on CPU. Beside it, the
+references of the other kernel files: transformers' RMSNorm (`rmsnorm.py`), its SiLU(gate) * up
+(`swiglu.py`) and the token cross-entropy of a chunk of logits (`cross_entropy.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from .dropout import dropout_keep_mask
 
 Seeds = Union[int, Sequence[int], torch.Tensor]
+IGNORE_INDEX = -100  # target of a position that counts no loss, as in transformers
 
 
 def per_adapter_seeds(seed: Seeds, n: int) -> list[int]:
@@ -79,3 +81,25 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def reference_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's middle, `act_fn(gate_proj(x)) * up_proj(x)` with SiLU, as transformers
+    writes it (Llama, Qwen2, Mistral, ...)."""
+    return F.silu(gate) * up
+
+
+def reference_cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, need_grad: bool):
+    """(losses fp32 [rows], d(sum of losses)/d(logits) in the logits' dtype, or None): token
+    cross-entropy of each row, computed in fp32 as transformers' loss upcasts the logits;
+    rows whose target is IGNORE_INDEX count zero and get a zero gradient."""
+    dtype, logits = logits.dtype, logits.float()
+    valid = targets != IGNORE_INDEX
+    safe_targets = targets.clamp(min=0)
+    lse = torch.logsumexp(logits, dim=-1)
+    losses = torch.where(valid, lse - logits.gather(1, safe_targets[:, None])[:, 0], torch.zeros_like(lse))
+    if not need_grad:
+        return losses, None
+    grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the fp32 logits
+    grad.scatter_add_(1, safe_targets[:, None], -torch.ones_like(lse)[:, None])
+    return losses, grad.mul_(valid[:, None]).to(dtype)

@@ -37,8 +37,8 @@ from .data import Sample, SampleStream, collate, load_rows, to_device, tokenize_
 from .export import peft_key, save_peft_adapter
 from .kernels.lm_loss import per_adapter_lm_loss
 from .layers import MultiLoRALinear, SegmentTable
-from .model import fuse_rms_norms, inject_multi_lora, linear_layer_names, load_base_model, resolve_device, \
-    resolve_dtype, split_causal_lm
+from .model import fuse_gated_mlps, fuse_rms_norms, inject_multi_lora, linear_layer_names, load_base_model, \
+    resolve_device, resolve_dtype, split_causal_lm
 from .optim import PackedAdamW, lr_lambda
 
 logger = logging.getLogger(__name__)
@@ -175,6 +175,7 @@ class PackedJob:
         self.segments = SegmentTable()
         self.layers = inject_multi_lora(self.model, spec.target_modules, self.segments)
         fuse_rms_norms(self.model)
+        fuse_gated_mlps(self.model)
         self.body, self.lm_head_weight = split_causal_lm(self.model)
         # Microbatch layout. On CUDA samples are packed back to back in one row, no padding
         # waste, with an attention that keeps them apart (attention.packed_attention). On CPU

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .data import to_device
-from .kernels import multi_lora_linear, rms_norm, uses_triton
+from .kernels import multi_lora_linear, rms_norm, silu_mul, uses_triton
 
 
 @dataclass
@@ -163,3 +163,23 @@ class FusedRMSNorm(nn.Module):
 # transformers' RMSNorms that compute weight * bf16(x * rsqrt(mean(x^2) + eps)); others (Gemma's
 # 1 + weight, for one) keep their own forward
 FUSABLE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Qwen2MoeRMSNorm")
+
+
+class FusedGatedMLP(nn.Module):
+    """A transformers gated MLP with SiLU (`FUSABLE_MLPS`) whose `act_fn(gate) * up` is
+    `kernels.silu_mul`: one kernel each way on CUDA instead of five passes over the model's
+    widest activations, the same formula elsewhere. `gate_proj`, `up_proj` and `down_proj`
+    stay its children under their own names (adapted or not), so the state dict does not
+    change; `original` is the module it replaced."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = original.gate_proj, original.up_proj, original.down_proj
+        self.__dict__["original"] = original  # not a submodule: no second copy of the projections
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+# transformers' MLPs whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))
+FUSABLE_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")

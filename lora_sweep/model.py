@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, JobSpec
-from .layers import FUSABLE_NORMS, FusedRMSNorm, MultiLoRALinear, SegmentTable
+from .layers import FUSABLE_MLPS, FUSABLE_NORMS, FusedGatedMLP, FusedRMSNorm, MultiLoRALinear, SegmentTable
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,21 @@ def fuse_rms_norms(model: nn.Module) -> int:
         for name, child in list(module.named_children()):
             if type(child).__name__ in FUSABLE_NORMS and not child.weight.requires_grad:
                 setattr(module, name, FusedRMSNorm(child))
+                count += 1
+    return count
+
+
+def fuse_gated_mlps(model: nn.Module) -> int:
+    """Replace the model's gated MLPs of the kinds in `FUSABLE_MLPS` whose activation is SiLU
+    by `FusedGatedMLP`, in place (after `inject_multi_lora`: the fused MLP calls whatever
+    projections it finds). Returns how many were replaced."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            act = type(getattr(child, "act_fn", None)).__name__
+            if type(child).__name__ in FUSABLE_MLPS and act in ("SiLU", "SiLUActivation"):  # torch's or transformers'
+
+                setattr(module, name, FusedGatedMLP(child))
                 count += 1
     return count
 

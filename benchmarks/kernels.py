@@ -309,6 +309,7 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
 def section_lora(res, device):
     """LoRA part alone, 32 adapters x 1024 tokens: our kernels (shrink, expand into an existing
     output, dS, dB, dA, dX LoRA term) vs the same matmuls adapter by adapter (fp32 adapters, as PEFT)."""
+    from lora_sweep.kernels.dropout import empty_mask_nibbles
     from lora_sweep.kernels.lora_gemm import lora_gemm
     from lora_sweep.kernels.metadata import LoRABatchMeta
     from lora_sweep.kernels.multi_lora import cat_adapters, pack_adapters
@@ -332,15 +333,16 @@ def section_lora(res, device):
                                        p["seed"], in_f, out_f, x.device, cfg)  # per call, as in training
             a_pack, bt_pack = pack_adapters(*cat_adapters(p["lora_a"], p["lora_b"], meta.ranks), meta.ranks, x.dtype)
             s = torch.empty(tokens, meta.rank_stride, device=device, dtype=x.dtype)
-            lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True)
+            mask = empty_mask_nibbles(tokens, in_f, device)
+            lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask)
             lora_gemm(x, w, None, s, bt_pack, y, meta, forward=True, fused_base=False)
             ds = torch.empty_like(s)
             lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
             db = torch.empty(out_f * meta.r_total, device=device)
             da = torch.empty(meta.r_total, in_f, device=device)
             lora_row_reduce(dy, s, db, meta, out_is_b=True)
-            lora_row_reduce(x, ds, da, meta, out_is_b=False)
-            lora_gemm(dy, w, None, ds, a_pack, dx, meta, forward=False, fused_base=False)
+            lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask)
+            lora_gemm(dy, w, None, ds, a_pack, dx, meta, forward=False, fused_base=False, mask_nibbles=mask)
 
         xs = [x[i * LORA_ROWS : (i + 1) * LORA_ROWS].detach().requires_grad_(True) for i in range(n)]
         dys = [dy[i * LORA_ROWS : (i + 1) * LORA_ROWS] for i in range(n)]

@@ -1,5 +1,11 @@
-"""Device helpers shared by the multi-LoRA kernels: the adapter table reader and the
-dropout keep-mask. Not kernels themselves; each kernel file imports what it needs.
+"""Device helpers shared by the multi-LoRA kernels: the adapter table reader, the dropout
+keep-mask and its bit-packed copy. Not kernels themselves; each kernel file imports what it
+needs.
+
+The keep-mask is drawn once, by the forward shrink, which also stores it: one uint8 nibble
+per group of four columns ([tokens, ceil(in / 4)], bit w = column 4 g + w, the layout Philox
+draws them in, so storing and loading need no shuffles). Philox costs more than reading x
+itself, and the backward needs the mask twice (dA and dX).
 
 The per-adapter table is laid out by `metadata.LoRABatchMeta` (column indices there).
 """
@@ -27,9 +33,10 @@ def load_adapter(adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS:
 
 
 @triton.jit
-def keep_mask(seed, rows, col0, n_cols, threshold, BLOCK_COLS: tl.constexpr):
-    """Dropout keep-mask [rows.shape[0], BLOCK_COLS] for columns col0 .. col0 + BLOCK_COLS of
-    the int64 segment rows `rows` (col0 and BLOCK_COLS multiples of 4).
+def keep_nibbles(seed, rows, col0, n_cols, threshold, BLOCK_COLS: tl.constexpr):
+    """The dropout keep-mask for columns col0 .. col0 + BLOCK_COLS of the int64 segment rows
+    `rows` (col0 and BLOCK_COLS multiples of 4), one int32 [rows.shape[0], BLOCK_COLS // 4]
+    nibble per group of four columns: bit w of group g keeps column 4 g + w.
 
     Word `col % 4` of Philox (`tl.randint4x`) at counter `row * ceil(n_cols / 4) + col // 4`,
     folded to 31 bits as `tl.rand` folds it, kept iff >= `threshold`.
@@ -38,17 +45,49 @@ def keep_mask(seed, rows, col0, n_cols, threshold, BLOCK_COLS: tl.constexpr):
     groups = (n_cols + 3) // 4
     counters = rows[:, None] * groups + (col0 // 4 + tl.arange(0, BLOCK_COLS // 4))[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, counters)
-    k0 = _fold31(r0) >= threshold
-    k1 = _fold31(r1) >= threshold
-    k2 = _fold31(r2) >= threshold
-    k3 = _fold31(r3) >= threshold
-    # [rows, groups, 2, 2] with [..., t, s] = word 2t + s, so the row-major reshape puts word w at 4 * group + w
+    return ((_fold31(r0) >= threshold).to(tl.int32) | ((_fold31(r1) >= threshold).to(tl.int32) << 1)
+            | ((_fold31(r2) >= threshold).to(tl.int32) << 2) | ((_fold31(r3) >= threshold).to(tl.int32) << 3))
+
+
+@triton.jit
+def nibbles_to_mask(nibbles, BLOCK_COLS: tl.constexpr):
+    """The bool keep-mask [rows, BLOCK_COLS] of `keep_nibbles`' [rows, BLOCK_COLS // 4]."""
+    k0 = (nibbles & 1) != 0
+    k1 = (nibbles & 2) != 0
+    k2 = (nibbles & 4) != 0
+    k3 = (nibbles & 8) != 0
+    # [rows, groups, 2, 2] with [..., t, s] = bit 2t + s, so the row-major reshape puts bit w at 4 * group + w
     keep = tl.join(tl.join(k0, k2), tl.join(k1, k3))
-    return tl.reshape(keep, (rows.shape[0], BLOCK_COLS))
+    return tl.reshape(keep, (nibbles.shape[0], BLOCK_COLS))
+
+
+@triton.jit
+def keep_mask(seed, rows, col0, n_cols, threshold, BLOCK_COLS: tl.constexpr):
+    """The bool keep-mask [rows.shape[0], BLOCK_COLS] drawn by `keep_nibbles`."""
+    return nibbles_to_mask(keep_nibbles(seed, rows, col0, n_cols, threshold, BLOCK_COLS), BLOCK_COLS)
+
+
+@triton.jit
+def store_nibbles(nibbles_ptr, nibbles, rows, row_mask, col0, n_groups, BLOCK_COLS: tl.constexpr):
+    """Store `keep_nibbles`' output as uint8 at rows `rows` (int64, global) of the [*, n_groups]
+    nibble matrix, groups col0 // 4 ..: the forward keeps its mask for the backward."""
+    offs_g = col0 // 4 + tl.arange(0, BLOCK_COLS // 4)
+    tl.store(nibbles_ptr + rows[:, None] * n_groups + offs_g[None, :], nibbles.to(tl.uint8),
+             mask=row_mask[:, None] & (offs_g < n_groups)[None, :])
+
+
+@triton.jit
+def load_keep_mask(nibbles_ptr, rows, row_mask, col0, n_groups, BLOCK_COLS: tl.constexpr):
+    """The bool keep-mask [rows.shape[0], BLOCK_COLS] from the nibbles `store_nibbles` stored."""
+    offs_g = col0 // 4 + tl.arange(0, BLOCK_COLS // 4)
+    nibbles = tl.load(nibbles_ptr + rows[:, None] * n_groups + offs_g[None, :],
+                      mask=row_mask[:, None] & (offs_g < n_groups)[None, :], other=0)
+    return nibbles_to_mask(nibbles.to(tl.int32), BLOCK_COLS)
 
 
 @triton.jit
 def _fold31(r):
     r = r.to(tl.int32, bitcast=True)
     return tl.where(r < 0, ~r, r)
+
 

@@ -100,3 +100,16 @@ def dropout_keep_mask(seed: int, rows: int, cols: int, p: float, device=None) ->
         draws = torch.stack(words, dim=-1).reshape(r1 - r0, 4 * groups)[:, :cols]  # word col % 4 of counter col // 4
         out[r0:r1] = fold31(draws) >= threshold
     return out
+
+
+def empty_mask_nibbles(rows: int, cols: int, device) -> torch.Tensor:
+    """Storage for a [rows, cols] keep-mask as the kernels keep it: uint8 [rows, ceil(cols / 4)],
+    one nibble per group of four columns, bit w of group g keeping column 4 g + w."""
+    return torch.empty(rows, (cols + 3) // 4, dtype=torch.uint8, device=device)
+
+
+def keep_mask_from_nibbles(nibbles: torch.Tensor, cols: int) -> torch.Tensor:
+    """The bool [rows, cols] keep-mask held in `nibbles` (see `empty_mask_nibbles`)."""
+    shifts = torch.arange(4, device=nibbles.device, dtype=torch.uint8)
+    unpacked = (nibbles[:, :, None] >> shifts) & 1
+    return unpacked.reshape(nibbles.shape[0], -1)[:, :cols].bool()

@@ -3,8 +3,8 @@
 Forward:  Y  = x @ W^T + bias + scale_i * S @ B_i^T          (S from the shrink)
 Backward: dX = dY @ W + keep_i / (1 - p_i) * (dS @ A_i)      (dS from the shrink of dY)
 
-The LoRA term is computed first into the fp32 accumulator (the dropout mask of the
-backward regenerated from the seed and applied to it there), then the base GEMM
+The LoRA term is computed first into the fp32 accumulator (the backward applies the dropout
+mask there, read from the nibbles the forward shrink stored), then the base GEMM
 accumulates on top, so the output is written once (LoRAFusion's fused expand). With
 `FUSED_BASE=False` the base product is already in `out` (cuBLAS) and the kernel adds the
 LoRA term in place: one extra read and write of `out`, chosen per shape where cuBLAS wins.
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import keep_mask, load_adapter
+from ._triton_common import load_adapter, load_keep_mask
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 
@@ -36,6 +36,7 @@ def _lora_gemm_kernel(
     s_ptr,  # [M, rank_stride] in a's dtype: S (forward) or dS (backward)
     lora_ptr,  # [R_total, N] packed adapters in a's dtype: B^T (forward) or A (backward); adapter i at row r_offset_i
     out_ptr,  # [M, N]: written (FUSED_BASE) or updated in place
+    mask_ptr,  # uint8 [M, n_groups]: the forward's keep-mask nibbles (read if OUT_DROPOUT)
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
@@ -44,6 +45,7 @@ def _lora_gemm_kernel(
     N,
     K,
     n_tiles,
+    n_groups,
     # strides
     stride_am,
     stride_wk,
@@ -91,10 +93,10 @@ def _lora_gemm_kernel(
 
     # the tile's LoRA term first: acc = S_tile @ L_i[:, n block] over the adapter's own rank
     if rank > 0:
-        if OUT_DROPOUT:  # drawn before the accumulator is live: less register pressure
+        if OUT_DROPOUT:  # loaded before the accumulator is live: less register pressure
             keep = tl.full((BLOCK_M, BLOCK_N), 1, tl.int1)
             if threshold > 0:
-                keep = keep_mask(seed, (offs_m - seg_start).to(tl.int64), pid_n * BLOCK_N, N, threshold, BLOCK_N)
+                keep = load_keep_mask(mask_ptr, offs_m.to(tl.int64), m_mask, pid_n * BLOCK_N, n_groups, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
         s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :]
         l_ptrs = lora_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :]  # (r, n) tile of the adapter's rows
@@ -148,6 +150,7 @@ def lora_gemm(
     meta: LoRABatchMeta,
     forward: bool,  # True: Y (B_i, scale, bias); False: dX (A_i, dropout mask)
     fused_base: bool,
+    mask_nibbles: Optional[torch.Tensor] = None,  # backward with dropout: the forward shrink's mask
 ) -> torch.Tensor:
     assert a.is_contiguous() and out.stride(1) == 1 and a.dtype == w.dtype == lora_pack.dtype == s.dtype
     assert lora_pack.is_contiguous() and lora_pack.shape[1] == out.shape[1]
@@ -159,12 +162,16 @@ def lora_gemm(
     grid = (meta.n_tiles * triton.cdiv(N, cfg.gemm_block_n),)
     if grid[0] == 0 or (not fused_base and meta.max_rank == 0 and bias is None):
         return out
+    out_dropout = (not forward) and meta.has_dropout
+    if out_dropout:
+        assert mask_nibbles is not None and mask_nibbles.shape == (M, triton.cdiv(N, 4))
     _lora_gemm_kernel[grid](
-        a, w, bias if bias is not None else out, s, lora_pack, out, *meta.args(),
-        N, K, meta.n_tiles,
+        a, w, bias if bias is not None else out, s, lora_pack, out, mask_nibbles if out_dropout else out,
+        *meta.args(),
+        N, K, meta.n_tiles, triton.cdiv(N, 4),
         a.stride(0), stride_wk, stride_wn, s.stride(0), out.stride(0),
         APPLY_SCALE=forward,
-        OUT_DROPOUT=(not forward) and meta.has_dropout,
+        OUT_DROPOUT=out_dropout,
         HAS_BIAS=bias is not None,
         FUSED_BASE=fused_base,
         EVEN_K=K % cfg.gemm_block_k == 0,

@@ -2,16 +2,16 @@
 
 LoRAFusion's split at the rank-r tensor S, per call:
 
-    forward   S  = dropout(x) @ A_i^T                       shrink.py     (mask from the seed)
+    forward   S  = dropout(x) @ A_i^T                       shrink.py     (mask from the seed, kept)
               Y  = x @ W^T + bias + scale_i * S @ B_i^T      lora_gemm.py  (one output write)
     backward  dS = scale_i * dY @ B_i                        shrink.py
               dB = scale_i * dY_i^T @ S_i                    row_reduce.py
-              dA = dS_i^T @ dropout(x_i)                     row_reduce.py (mask regenerated)
+              dA = dS_i^T @ dropout(x_i)                     row_reduce.py (mask kept by the shrink)
               dX = dY @ W + mask_i / (1 - p_i) * (dS @ A_i)  lora_gemm.py
 
-Saved for backward: x, S ([tokens, rank] in x's dtype), the packed adapters and the routing
-tables; no dropout mask, no dropped x. W and bias are frozen: no gradient is ever computed
-for them. The adapters enter concatenated (`cat_adapters`: one autograd edge each for all A
+Saved for backward: x, S ([tokens, rank] in x's dtype), the dropout keep-mask (drawn once,
+by the forward shrink, as uint8 nibbles: 1/8 of x's size), the packed adapters and the routing tables;
+no dropped x. W and bias are frozen: no gradient is ever computed for them. The adapters enter concatenated (`cat_adapters`: one autograd edge each for all A
 and all B, whatever the number of adapters) and are packed into the compute dtype per call
 (`pack_adapters`); the backward writes dA and dB in the same concatenated layout, and the
 cat's own backward hands each adapter its slice.
@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .dropout import empty_mask_nibbles
 from .metadata import KernelConfig, LoRABatchMeta, config_for
 from .reference import Seeds, per_adapter_seeds
 
@@ -89,14 +90,15 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         else:
             a_pack, bt_pack = pack_adapters(a_cat, b_flat, meta.ranks, x.dtype)
         s = torch.empty(x.shape[0], meta.rank_stride, device=x.device, dtype=x.dtype)  # (tokens, rank)
-        lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True)
+        mask_nibbles = empty_mask_nibbles(x.shape[0] if meta.has_dropout else 0, x.shape[1], x.device)
+        lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask_nibbles)
         if meta.config.fused_base:
             y = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
             lora_gemm(x, weight, bias, s, bt_pack, y, meta, forward=True, fused_base=True)
         else:
             y = F.linear(x, weight, bias)
             lora_gemm(x, weight, None, s, bt_pack, y, meta, forward=True, fused_base=False)
-        ctx.save_for_backward(x, weight, s, a_pack, bt_pack)
+        ctx.save_for_backward(x, weight, s, a_pack, bt_pack, mask_nibbles)
         ctx.meta = meta
         ctx.grad_dtype = a_cat.dtype if a_cat is not None else x.dtype
         return y
@@ -107,7 +109,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         from .row_reduce import lora_row_reduce
         from .shrink import lora_shrink
 
-        x, weight, s, a_pack, bt_pack = ctx.saved_tensors
+        x, weight, s, a_pack, bt_pack, mask_nibbles = ctx.saved_tensors
         meta = ctx.meta
         dy = dy.contiguous()
         ds = torch.empty_like(s)  # (tokens, rank)
@@ -118,16 +120,18 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
             db = torch.empty(dy.shape[1] * meta.r_total, device=x.device, dtype=ctx.grad_dtype)
             da = torch.empty(meta.r_total, x.shape[1], device=x.device, dtype=ctx.grad_dtype)
             lora_row_reduce(dy, s, db, meta, out_is_b=True)
-            lora_row_reduce(x, ds, da, meta, out_is_b=False)
+            lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
 
         dx = None
         if ctx.needs_input_grad[0]:
             if meta.config.fused_base:
                 dx = torch.empty_like(x)
-                lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=True)
+                lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=True,
+                          mask_nibbles=mask_nibbles)
             else:
                 dx = dy @ weight
-                lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=False)
+                lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=False,
+                          mask_nibbles=mask_nibbles)
         return dx, None, None, None, da, db
 
 

@@ -1,7 +1,7 @@
 """Adapter gradients: reductions over each adapter's own rows.
 
 dB_i = scale_i * dY_i^T @ S_i      ([out, r_i])
-dA_i = dS_i^T @ dropout(x_i)       ([r_i, in]; the mask regenerated from the seed)
+dA_i = dS_i^T @ dropout(x_i)       ([r_i, in]; the mask the forward shrink stored)
 
 Stage 1 (`_row_reduce_kernel`): one program per (chunk, column block, rank block) sums its
 chunk's rows (chunks never span adapters) in fp32. When every adapter fits in one chunk it
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import keep_mask, load_adapter
+from ._triton_common import load_adapter, load_keep_mask
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 
@@ -44,6 +44,7 @@ def _row_reduce_kernel(
     u_ptr,  # [M, N] rows: dY (for dB) or x (for dA)
     v_ptr,  # [M, rank_stride] in u's dtype: S (for dB) or dS (for dA)
     out_ptr,  # DIRECT: dB (flat [N, r_i] blocks) or dA [r_total, N]; else fp32 partials [n_chunks, N, rank_stride]
+    mask_ptr,  # uint8 [M, n_groups]: x's keep-mask nibbles (dA with dropout)
     chunks_ptr,  # int64 [n_chunks, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
@@ -51,6 +52,7 @@ def _row_reduce_kernel(
     # sizes
     N,
     rank_stride,
+    n_groups,
     # strides
     stride_um,
     stride_vm,
@@ -90,7 +92,7 @@ def _row_reduce_kernel(
         if not OUT_IS_B:
             if HAS_DROPOUT:
                 if threshold > 0:
-                    keep = keep_mask(seed, (rows - seg_start).to(tl.int64), pid_n * BLOCK_N, N, threshold, BLOCK_N)
+                    keep = load_keep_mask(mask_ptr, rows.to(tl.int64), m_mask, pid_n * BLOCK_N, n_groups, BLOCK_N)
                     ut = tl.where(keep, ut, tl.zeros_like(ut))
         vt = tl.load(v_ptr + rows[:, None].to(tl.int64) * stride_vm + offs_r[None, :],
                      mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
@@ -158,10 +160,14 @@ def lora_row_reduce(
     out: torch.Tensor,  # dB flat (B_i's [N, r_i] block from N * r_offset_i) or dA [r_total, N] (the A_i stacked)
     meta: LoRABatchMeta,
     out_is_b: bool,
+    mask_nibbles: Optional[torch.Tensor] = None,  # dA with dropout: the forward shrink's mask
 ) -> torch.Tensor:
     """All adapters' dB (out_is_b) or dA, adapter i at its `r_offset` column or row."""
     assert u.is_contiguous() and v.shape == (u.shape[0], meta.rank_stride) and out.is_contiguous()
     assert out.numel() == u.shape[1] * meta.r_total
+    has_dropout = (not out_is_b) and meta.has_dropout
+    if has_dropout:
+        assert mask_nibbles is not None and mask_nibbles.shape == (u.shape[0], triton.cdiv(u.shape[1], 4))
     cfg = meta.config
     N = u.shape[1]
     n_blocks = triton.cdiv(N, cfg.reduce_block_n)
@@ -174,12 +180,12 @@ def lora_row_reduce(
     part = out if direct else torch.empty(meta.n_chunks, N, meta.rank_stride, device=u.device,
                                           dtype=torch.float32)
     _row_reduce_kernel[(meta.n_chunks, n_blocks, r_blocks)](
-        u, v, part, *meta.chunk_args(),
-        N, meta.rank_stride,
+        u, v, part, mask_nibbles if has_dropout else v, *meta.chunk_args(),
+        N, meta.rank_stride, triton.cdiv(N, 4),
         u.stride(0), v.stride(0),
         OUT_IS_B=out_is_b,
         DIRECT=direct,
-        HAS_DROPOUT=meta.has_dropout,
+        HAS_DROPOUT=has_dropout,
         BLOCK_M=cfg.reduce_block_m,
         num_warps=cfg.reduce_warps,
         num_stages=cfg.reduce_stages,

@@ -5,7 +5,8 @@ The adapters come packed per call (`multi_lora.pack_adapters`): A_i stacked into
 r_offset_i. Both shrinks read the same layout: row r_offset_i + r, column k.
 
 Forward, S = dropout(x) @ A_i^T ([tokens, rank], LoRAFusion's split point): the dropout
-mask is regenerated from the adapter's seed in registers, so the dropped x never exists.
+mask is drawn from the adapter's seed in registers, so the dropped x never exists, and
+stored (`mask_nibbles`, one uint8 nibble per four columns) for the backward.
 Backward, dS = scale_i * dY @ B_i ([tokens, rank]). Both read the big operand (x or dY)
 once when the pack's largest rank fits one rank block (<= 128); the MMAs use the big
 operand's dtype (bf16 on GPU) with fp32 accumulation; S / dS are stored in that dtype too,
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import keep_mask, load_adapter
+from ._triton_common import keep_nibbles, load_adapter, nibbles_to_mask, store_nibbles
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 
@@ -31,12 +32,14 @@ def _shrink_kernel(
     x_ptr,  # [M, K] rows: x (forward) or dY (backward)
     lora_ptr,  # [R_total, K] packed adapters in x's dtype: A (forward) or B^T (backward); adapter i at row r_offset_i
     out_ptr,  # [M, rank_stride] in x's dtype: S or dS
+    mask_ptr,  # uint8 [M, n_groups]: the keep-mask's nibbles, written where dropout applies (S only)
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
     seeds_ptr,  # int64 [n_adapters]: this layer's dropout seeds
     # sizes
     K,
+    n_groups,
     # strides
     stride_xm,
     stride_om,
@@ -81,8 +84,10 @@ def _shrink_kernel(
             lt = tl.load(l_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         if HAS_DROPOUT:
             if threshold > 0:
-                keep = keep_mask(seed, seg_rows, k0, K, threshold, BLOCK_K)
-                xt = tl.where(keep, xt, tl.zeros_like(xt))
+                nibbles = keep_nibbles(seed, seg_rows, k0, K, threshold, BLOCK_K)
+                xt = tl.where(nibbles_to_mask(nibbles, BLOCK_K), xt, tl.zeros_like(xt))
+                if pid_r == 0:  # programs of other rank blocks draw the same mask
+                    store_nibbles(mask_ptr, nibbles, offs_m.to(tl.int64), m_mask, k0, n_groups, BLOCK_K)
         acc = tl.dot(xt, lt, acc)
         x_ptrs += BLOCK_K
         l_ptrs += BLOCK_K
@@ -102,10 +107,15 @@ def lora_shrink(
     meta: LoRABatchMeta,
     apply_scale: bool,
     dropout: bool,
+    mask_nibbles: Optional[torch.Tensor] = None,  # uint8 [M, ceil(K / 4)] (`empty_mask_nibbles`): the mask kept
 ) -> torch.Tensor:
-    """Launch the shrink over every tile of `meta`; rows of adapters without LoRA are left unwritten."""
+    """Launch the shrink over every tile of `meta`; rows of adapters without LoRA are left unwritten.
+    With `dropout`, the rows of adapters with p > 0 also get their keep-mask in `mask_nibbles`."""
     assert x.is_contiguous() and lora_pack.is_contiguous() and out.shape == (x.shape[0], meta.rank_stride)
     assert lora_pack.dtype == x.dtype and lora_pack.shape[1] == x.shape[1]
+    has_dropout = dropout and meta.has_dropout
+    if has_dropout:
+        assert mask_nibbles is not None and mask_nibbles.shape == (x.shape[0], triton.cdiv(x.shape[1], 4))
     cfg = meta.config
     split_m = cfg.block_m // cfg.shrink_block_m  # smaller row blocks: more programs in flight
     grid = (meta.n_tiles, split_m, triton.cdiv(meta.max_rank, meta.block_r))
@@ -113,11 +123,11 @@ def lora_shrink(
         return out
     K = x.shape[1]
     _shrink_kernel[grid](
-        x, lora_pack, out, *meta.args(),
-        K,
+        x, lora_pack, out, mask_nibbles if has_dropout else out, *meta.args(),
+        K, triton.cdiv(K, 4),
         x.stride(0), out.stride(0),
         APPLY_SCALE=apply_scale,
-        HAS_DROPOUT=dropout and meta.has_dropout,
+        HAS_DROPOUT=has_dropout,
         EVEN_K=K % cfg.shrink_block_k == 0,
         N_INT_COLS=len(ADAPTER_INT_COLS),
         N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),

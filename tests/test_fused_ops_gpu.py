@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from lora_sweep.kernels.reference import IGNORE_INDEX, reference_cross_entropy_rows, reference_silu_mul
-    reference_silu_mul
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs a CUDA GPU (and Triton compiled, not interpreted)")

@@ -30,7 +30,7 @@ from lora_sweep.kernels import (  # noqa: E402
     triton_multi_lora_linear,
 )
 from lora_sweep.kernels._triton_common import keep_mask  # noqa: E402
-from lora_sweep.kernels.dropout import keep_threshold, philox_randint4x  # noqa: E402
+from lora_sweep.kernels.dropout import empty_mask_nibbles, keep_mask_from_nibbles, keep_threshold, philox_randint4x  # noqa: E402
 from lora_sweep.kernels.lora_gemm import lora_gemm, reference_lora_gemm  # noqa: E402
 from lora_sweep.kernels.metadata import INTERPRET_CONFIG, LoRABatchMeta  # noqa: E402
 from lora_sweep.kernels.multi_lora import cat_adapters, pack_adapters  # noqa: E402
@@ -248,9 +248,17 @@ def test_each_kernel_matches_its_reference(config):
     assert a_pack.shape == (meta.r_total, x.shape[1]) and bt_pack.shape == (meta.r_total, weight.shape[0])
 
     s = torch.zeros(x.shape[0], meta.rank_stride)
-    lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True)
+    mask_nibbles = empty_mask_nibbles(x.shape[0], x.shape[1], x.device)
+    lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask_nibbles)
     s_ref = reference_lora_shrink(x, lora_a, seg_lens, False, dropout_p=dropout_p, seeds=seeds)
     assert_close(s[:, : s_ref.shape[1]][rows_with_lora], s_ref[rows_with_lora], what="shrink S")
+    # the mask the backward reads: each dropped segment's nibbles hold its seed's Philox mask
+    start = 0
+    for rows, r, p, seed in zip(seg_lens, ranks, dropout_p, seeds):
+        if r and p > 0 and rows:
+            want = dropout_keep_mask(seed, rows, x.shape[1], p)
+            assert torch.equal(keep_mask_from_nibbles(mask_nibbles[start : start + rows], x.shape[1]), want)
+        start += rows
 
     dy = torch.randn(x.shape[0], weight.shape[0])
     ds = torch.zeros_like(s)
@@ -263,7 +271,7 @@ def test_each_kernel_matches_its_reference(config):
     y_ref = reference_lora_gemm(x, weight, bias, s, lora_b, seg_lens, True, scales, dropout_p, seeds)
     assert_close(y, y_ref, what="gemm forward")
     dx = torch.empty_like(x)
-    lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=True)
+    lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=True, mask_nibbles=mask_nibbles)
     dx_ref = reference_lora_gemm(dy, weight, None, ds, lora_a, seg_lens, False, scales, dropout_p, seeds)
     assert_close(dx, dx_ref, what="gemm backward")
 
@@ -271,7 +279,7 @@ def test_each_kernel_matches_its_reference(config):
     for out_is_b, u, v, shape in ((True, dy, s, (weight.shape[0] * meta.r_total,)),
                                   (False, x, ds, (meta.r_total, x.shape[1]))):
         got = torch.zeros(shape)
-        lora_row_reduce(u, v, got, meta, out_is_b=out_is_b)
+        lora_row_reduce(u, v, got, meta, out_is_b=out_is_b, mask_nibbles=mask_nibbles)
         refs = [g for g in reference_lora_row_reduce(u, v, meta.ranks, seg_lens, out_is_b, scales, dropout_p, seeds)
                 if g is not None]
         want = torch.cat([g.reshape(-1) if out_is_b else g for g in refs]) if refs else torch.zeros(shape)

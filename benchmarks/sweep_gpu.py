@@ -8,7 +8,7 @@ downloaded), samples of varying length, one GPU. Sections (pick with --sections)
 * kernels     the packed job with the Triton kernels vs the torch path (LORA_SWEEP_KERNELS=torch)
 * makespan    120 configs of PLoRA's Table 1 space: the planner's predicted makespan for
               lora_sweep and for one-trial-at-a-time PEFT, and a measured 16-config subset
-              both ways against the prediction
+              both ways against the prediction (each trial's adapter saved, both ways)
 * overhead    the same 16 configs through PackedLoRASampler vs PackedJob driven directly
 
     python -m benchmarks.sweep_gpu --models llama-3.2-1b --seq 256 --out results.json
@@ -27,6 +27,7 @@ import math
 import os
 import random
 import statistics
+import tempfile
 import time
 
 import torch
@@ -286,7 +287,10 @@ def makespan(model_name, seq, steps, log, microbatch_tokens) -> dict:
     configs = table1_configs(120, steps)
     subset = configs[:16]
     spec = spec_for(model, rows, seq, max_tokens_per_microbatch=microbatch_tokens)
-    base_cm = CostModel.from_model(PRESETS[model_name], gpu=detect(), max_seq_len=seq, dtype="bfloat16")
+    samples, pad_id = tokenized(model, rows, seq)
+    # step times follow the samples' real lengths: the engine packs them without padding
+    base_cm = CostModel.from_model(PRESETS[model_name], gpu=detect(), max_seq_len=seq, dtype="bfloat16",
+                                   mean_sample_tokens=statistics.mean(len(s) for s in samples))
 
     # calibrate the packed engine from profiled steps of varied jobs (PLoRA profiles 10): pack
     # sizes from 1 to 10, and ranks and batch sizes that do not grow together, so the fit can
@@ -302,16 +306,36 @@ def makespan(model_name, seq, steps, log, microbatch_tokens) -> dict:
         stats += profile_job(job, steps=3, warmup=2)
         del job
         strip_adapters(model)
-    packed_cm = calibrate(base_cm, stats)
+    # a trial's time outside steps (joining, saving its adapter): a job of four run to completion
+    finishing = [dataclasses.replace(probe[i], max_steps=3, trial_id=f"f{i}") for i in (0, 1, 3, 4)]
+    with tempfile.TemporaryDirectory() as out_dir:
+        t0 = time.perf_counter()
+        job = ls.PackedJob(dataclasses.replace(spec, output_dir=out_dir), finishing, progress=False)
+        for _ in job.run():
+            pass
+        torch.cuda.synchronize()
+        packed_trial_s = (time.perf_counter() - t0 - sum(st["seconds"] for st in job.step_stats)) / len(finishing)
+        del job
+        strip_adapters(model)
+    packed_cm = calibrate(base_cm, stats, trial_seconds=packed_trial_s)
 
-    # calibrate one-trial-at-a-time PEFT from its own steps
+    # calibrate one-trial-at-a-time PEFT from its own steps, and its time outside them (wrapping
+    # the model, saving the adapter, unwrapping)
     peft_stats = []
     for cfg in probe[:4]:
-        r = time_peft(model, dataclasses.replace(cfg, max_steps=10**6), rows, seq, 2, 4)
+        r = time_peft(model, dataclasses.replace(cfg, max_steps=10**6), rows, seq, 3, 8)
         peft_stats.append({"tokens": r["tokens_per_step"], "padded_tokens": r["tokens_per_step"],
                            "rank_tokens": cfg.rank * r["tokens_per_step"], "num_adapters": 1,
                            "rank_sum": cfg.rank, "seconds": r["median_step_s"], "peak_memory_bytes": None})
-    peft_cm = calibrate(base_cm, peft_stats)
+    with tempfile.TemporaryDirectory() as out_dir:
+        t0 = time.perf_counter()
+        for cfg in finishing:
+            peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
+            peft_model.save_pretrained(os.path.join(out_dir, cfg.trial_id))
+            peft_model.unload()
+        torch.cuda.synchronize()
+        peft_trial_s = (time.perf_counter() - t0) / len(finishing)
+    peft_cm = calibrate(base_cm, peft_stats, trial_seconds=peft_trial_s)
 
     predicted = {
         "packed_120": plan(PRESETS[model_name], configs, num_gpus=1, cost_model=packed_cm).makespan,
@@ -325,32 +349,43 @@ def makespan(model_name, seq, steps, log, microbatch_tokens) -> dict:
     subset_plan = plan(PRESETS[model_name], subset, num_gpus=1, cost_model=packed_cm)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for planned in subset_plan.jobs:
+    measured_steps, construct_s = [], 0.0
+    for planned in subset_plan.jobs:  # each trial's adapter is saved in PEFT format when it finishes
+        t1 = time.perf_counter()
         job = ls.PackedJob(spec, [dataclasses.replace(t) for t in planned.trials], progress=False)
+        construct_s += time.perf_counter() - t1
         for _ in job.run():
             pass
+        measured_steps += job.step_stats
         del job
         strip_adapters(model)
     torch.cuda.synchronize()
     measured_packed = time.perf_counter() - t0
-    samples, pad_id = tokenized(model, rows, seq)
     t0 = time.perf_counter()
-    for cfg in subset:
-        peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
-        train_alone_with_peft(peft_model, cfg, samples, pad_id, device="cuda")
-        peft_model.unload()
-    torch.cuda.synchronize()
-    measured_peft = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as out_dir:
+        for cfg in subset:  # and each PEFT run saves its adapter, as a user's would
+            peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
+            train_alone_with_peft(peft_model, cfg, samples, pad_id, device="cuda")
+            peft_model.save_pretrained(os.path.join(out_dir, cfg.trial_id))
+            peft_model.unload()
+        torch.cuda.synchronize()
+        measured_peft = time.perf_counter() - t0
     del model
     torch.cuda.empty_cache()
     result = {"model": model_name, "seq": seq, "steps": steps, "predicted": predicted,
               "measured": {"packed_16": measured_packed, "peft_16": measured_peft},
+              "packed_16_breakdown": {"construct_s": construct_s,
+                                      "steps_s": sum(st["seconds"] for st in measured_steps),
+                                      "rest_s": measured_packed - construct_s
+                                      - sum(st["seconds"] for st in measured_steps)},
               "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1,
                                    "peft_16": predicted["peft_16"] / measured_peft - 1},
               "ratio": {"predicted_120": predicted["peft_120"] / predicted["packed_120"],
                         "measured_16": measured_peft / measured_packed},
               "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs],
-              "calibration": {"packed": packed_cm.calibration.describe(), "peft": peft_cm.calibration.describe()}}
+              "calibration": {"packed": packed_cm.calibration.describe(), "peft": peft_cm.calibration.describe()},
+              # the steps behind the fits and the measured run, so a cost model can be refitted offline
+              "probe_steps": {"packed": stats, "peft": peft_stats}, "measured_steps": measured_steps}
     log(f"16 configs: packed {measured_packed:.1f} s (predicted {predicted['packed_16']:.1f}), "
         f"PEFT {measured_peft:.1f} s (predicted {predicted['peft_16']:.1f}), ratio {result['ratio']['measured_16']:.2f}x")
     return result

@@ -255,6 +255,7 @@ class Calibration:
     base_activation_scale: float = 1.0  # multiplies the analytic base activation bytes
     lora_activation_scale: float = 1.0  # multiplies the analytic LoRA activation bytes
     workspace_bytes: float = 0.0  # per GPU, beyond the model (allocator, cuBLAS workspace)
+    trial_seconds: float = 0.0  # a trial's time outside steps: joining a job, saving its adapter
     source: str = "roofline"  # "roofline" or "calibrated from N steps"
 
     @classmethod
@@ -278,7 +279,8 @@ class Calibration:
         return (f"overhead {c[0] * 1e3:.2f} ms/step + {c[1] * 1e3:.2f} ms/adapter; base {rate(c[3] * 1e12)} TFLOP/s, "
                 f"LoRA {rate(c[4] * 1e12)} TFLOP/s, HBM {rate(c[2] * GB)} GB/s, link {rate(c[5] * GB)} GB/s; "
                 f"activations x{self.base_activation_scale:.2f} base, x{self.lora_activation_scale:.2f} LoRA, "
-                f"workspace {self.workspace_bytes / GB:.2f} GB ({self.source})")
+                f"workspace {self.workspace_bytes / GB:.2f} GB, {self.trial_seconds:.2f} s/trial outside steps "
+                f"({self.source})")
 
 
 # --------------------------------------------------------------------------- the cost model
@@ -293,9 +295,11 @@ class CostModel:
     """Memory and step time of packed jobs of one base model on one kind of GPU.
 
     A trial contributes ``batch_size * max_seq_len`` tokens to a step's memory (samples are
-    padded to at most `max_seq_len`, so this is the worst case) and
-    ``gradient_accumulation_steps`` times that to its compute. A trial that adapts only some
-    of the job's `target_modules` counts with a proportionally smaller rank.
+    at most `max_seq_len` long, so this is the worst case) and
+    ``gradient_accumulation_steps * batch_size * mean_sample_tokens`` to its compute: on a GPU
+    the engine packs samples back to back without padding, so a step computes on the samples'
+    real tokens (`mean_sample_tokens` defaults to `max_seq_len`, the worst case). A trial that
+    adapts only some of the job's `target_modules` counts with a proportionally smaller rank.
 
     Build one with `CostModel.from_model`; `calibrate` returns a copy fitted to measurements.
     """
@@ -308,6 +312,7 @@ class CostModel:
     gradient_checkpointing: bool = False
     load_factor: float = 0.9  # PLoRA's C: the usable fraction of each GPU's memory
     loss_chunk_tokens: Optional[int] = None  # rows of logits the chunked loss holds; None: the engine's default
+    mean_sample_tokens: Optional[float] = None  # a sample's mean length, for step times; None: max_seq_len
     calibration: Optional[Calibration] = None  # None: the roofline defaults of `gpu`
 
     def __post_init__(self):
@@ -317,6 +322,11 @@ class CostModel:
             raise ValueError(f"The value of `load_factor` is {self.load_factor}, but must be `0 < load_factor <= 1`.")
         if self.max_seq_len < 1:
             raise ValueError(f"The value of `max_seq_len` is {self.max_seq_len}, but must be `max_seq_len >= 1`.")
+        if self.mean_sample_tokens is None:
+            self.mean_sample_tokens = float(self.max_seq_len)
+        if not 1 <= self.mean_sample_tokens <= self.max_seq_len:
+            raise ValueError(f"The value of `mean_sample_tokens` is {self.mean_sample_tokens}, but must be "
+                             f"`1 <= mean_sample_tokens <= max_seq_len` ({self.max_seq_len}).")
         self.target_modules = tuple(self.target_modules)
         self.shape.lora_dims(self.target_modules)  # unknown module names fail here
         if self.loss_chunk_tokens is None:  # as kernels.lm_loss.default_chunk_rows: 256 MiB of fp32 logits
@@ -365,7 +375,9 @@ class CostModel:
             gradient_checkpointing:
                 Whether the engine recomputes base activations; default the spec's, else False.
             kwargs:
-                Other `CostModel` fields: ``load_factor``, ``loss_chunk_tokens``, ``calibration``.
+                Other `CostModel` fields: ``load_factor``, ``loss_chunk_tokens``,
+                ``mean_sample_tokens`` (the data's mean sample length, for step times),
+                ``calibration``.
 
         Returns:
             The `CostModel`.
@@ -432,7 +444,7 @@ class CostModel:
     def _base_flops_per_token(self) -> float:
         s = self.shape
         gemm_params = s.num_layers * sum(a * b for a, b in s.linear_dims.values()) + s.vocab_size * s.hidden_size
-        attention = s.num_layers * 2 * s.q_dim * self.max_seq_len  # QK^T and PV, causal: half the context
+        attention = s.num_layers * 2 * s.q_dim * self.mean_sample_tokens  # QK^T and PV, causal: half the context
         # forward 2 FLOPs per weight; backward only the input gradients (the base is frozen),
         # another 2; attention's backward is ~2.5x its forward; recomputation adds a forward.
         recompute = 1 if self.gradient_checkpointing else 0
@@ -538,7 +550,8 @@ class CostModel:
         """(tokens, rank_tokens, rank_sum) of a set of trials in one step."""
         tokens = rank_tokens = rank_sum = 0.0
         for t in trials:
-            n = t.batch_size * self.max_seq_len * (t.gradient_accumulation_steps if for_time else 1)
+            n = (t.batch_size * self.mean_sample_tokens * t.gradient_accumulation_steps if for_time
+                 else t.batch_size * self.max_seq_len)
             r = self.effective_rank(t)
             tokens, rank_tokens, rank_sum = tokens + n, rank_tokens + r * n, rank_sum + r
         return tokens, rank_tokens, rank_sum
@@ -613,17 +626,22 @@ class CostModel:
         """What adding `trial` to a job adds to its step time (the model is linear in trials)."""
         return self.job_step_seconds([trial], num_gpus) - self.fixed_step_seconds(num_gpus)
 
+    def trial_job_seconds(self, trial: TrialConfig, num_gpus: int = 1) -> float:
+        """What `trial` adds to the duration of a job it joins: its step time for each of its
+        steps, plus its time outside steps (``calibration.trial_seconds``)."""
+        return self.trial_step_seconds(trial, num_gpus) * trial.max_steps + self.calibration.trial_seconds
+
     def job_seconds(self, trials: Sequence[TrialConfig], num_gpus: int = 1) -> float:
         """Predicted duration of a job that starts `trials` together; each leaves after its `max_steps`.
 
         The job runs ``max(max_steps)`` steps, each paying the fixed step time, and every trial
-        adds its own step time for each of its steps.
+        adds its own step time for each of its steps, plus its time outside steps
+        (``calibration.trial_seconds``: joining, saving its adapter).
         """
         if not trials:
             return 0.0
         steps = max(t.max_steps for t in trials)
-        return self.fixed_step_seconds(num_gpus) * steps + sum(
-            self.trial_step_seconds(t, num_gpus) * t.max_steps for t in trials)
+        return self.fixed_step_seconds(num_gpus) * steps + sum(self.trial_job_seconds(t, num_gpus) for t in trials)
 
     def min_gpus(self, trial: TrialConfig, max_gpus: int) -> Optional[int]:
         """The fewest GPUs (1, 2, 4, ... or `max_gpus`) on which `trial` fits alone; None if none."""
@@ -694,7 +712,8 @@ def gpu_counts(num_gpus: int) -> list[int]:
 # --------------------------------------------------------------------------- calibration
 
 
-def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], num_gpus: int = 1) -> CostModel:
+def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], num_gpus: int = 1,
+              trial_seconds: Optional[float] = None) -> CostModel:
     """Fit the step-time coefficients and the activation terms to profiled steps.
 
     Step time is linear in the features of `CostModel.time_features`, and peak memory is
@@ -726,6 +745,9 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
             dict overrides the argument.
         num_gpus:
             GPUs of the profiled job.
+        trial_seconds:
+            A trial's measured time outside steps (joining a job, saving its adapter: a job
+            run to completion, less its steps, per trial); None keeps the current value.
 
     Returns:
         A copy of `cost_model` with the fitted `Calibration`.
@@ -733,6 +755,10 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
     if len(step_stats) < 2:
         raise ValueError(f"The length of `step_stats` is {len(step_stats)}, but must be at least 2.")
     cal = dataclasses.replace(cost_model.calibration, source=f"calibrated from {len(step_stats)} steps")
+    if trial_seconds is not None:
+        if trial_seconds < 0:
+            raise ValueError(f"The value of `trial_seconds` is {trial_seconds}, but must be `trial_seconds >= 0`.")
+        cal.trial_seconds = float(trial_seconds)
 
     def tokens_of(s):
         return s.get("padded_tokens") or s["tokens"]

@@ -300,7 +300,7 @@ class PackedJob:
         while any(a.key == key for a in self.active.values()):
             key += "_"
         wanted = set(cfg.target_modules or self.spec.target_modules)
-        generator = torch.Generator().manual_seed(cfg.seed)
+        generator = torch.Generator(self.device).manual_seed(cfg.seed)  # on the GPU: drawing there is fast
         modules, params = [], []
         for name, layer in self.layers.items():
             if name.rsplit(".", 1)[-1] in wanted:

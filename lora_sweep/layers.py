@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils import skip_init
 
 from .data import to_device
 from .kernels import multi_lora_linear, rms_norm, silu_mul, uses_triton
@@ -99,20 +100,24 @@ class MultiLoRALinear(nn.Module):
 
     def add_adapter(self, name: str, rank: int, scaling: float, dropout: float,
                     generator: torch.Generator, dtype: torch.dtype) -> None:
-        """PEFT's default init: A Kaiming-uniform (a=sqrt(5)) from `generator`, B zeros."""
+        """PEFT's default init: A Kaiming-uniform (a=sqrt(5)) from `generator`, B zeros. A is
+        drawn in fp32 on the generator's device (the engine's: a CPU draw of a whole pack's A
+        matrices took seconds), then cast to `dtype`."""
         device = self.base_layer.weight.device
-        lora_a = nn.Linear(self.in_features, rank, bias=False, device="cpu", dtype=torch.float32)
-        lora_b = nn.Linear(rank, self.out_features, bias=False, device=device, dtype=dtype)
+        # skip_init: no throwaway default initialisation before ours
+        lora_a = skip_init(nn.Linear, self.in_features, rank, bias=False, device=device, dtype=dtype)
+        lora_b = skip_init(nn.Linear, rank, self.out_features, bias=False, device=device, dtype=dtype)
         # Same bound as nn.init.kaiming_uniform_(a=sqrt(5)), drawn from the trial's own generator.
         bound = 1.0 / math.sqrt(self.in_features)
         with torch.no_grad():
-            lora_a.weight.uniform_(-bound, bound, generator=generator)
+            a = torch.empty(rank, self.in_features, device=generator.device, dtype=torch.float32)
+            lora_a.weight.copy_(a.uniform_(-bound, bound, generator=generator))
             nn.init.zeros_(lora_b.weight)
-        self.lora_A[name] = lora_a.to(device=device, dtype=dtype)
+        self.lora_A[name] = lora_a
         self.lora_B[name] = lora_b
         self.scaling[name] = float(scaling)
         self.lora_dropout[name] = float(dropout)
-        self._adapters[name] = (self.lora_A[name].weight, lora_b.weight, float(scaling), float(dropout))
+        self._adapters[name] = (lora_a.weight, lora_b.weight, float(scaling), float(dropout))
 
     def delete_adapter(self, name: str) -> None:
         for attr in self.adapter_layer_names:

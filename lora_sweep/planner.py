@@ -178,7 +178,7 @@ def packed_seconds(cm: CostModel, trial: TrialConfig, num_gpus: int, max_adapter
     time, plus its share of the fixed step time with as many such trials as fit in one job."""
     d = num_gpus
     peers = max(1, min(int(cm.trial_budget(d) // max(cm.trial_memory(trial), 1.0)), max_adapters or 10**9))
-    return d * trial.max_steps * (cm.trial_step_seconds(trial, d) + cm.fixed_step_seconds(d) / peers)
+    return d * (cm.trial_job_seconds(trial, d) + trial.max_steps * cm.fixed_step_seconds(d) / peers)
 
 
 def _value(cm: CostModel, trial: TrialConfig, objective: Objective, num_gpus: int,
@@ -217,7 +217,7 @@ class _JobMILP:
         n, d = len(trials), num_gpus
         self.weight = np.array([_value(cm, t, objective, d, max_adapters) for t in trials])
         self.steps = np.array([t.max_steps for t in trials], dtype=float)
-        self.seconds = np.array([cm.trial_step_seconds(t, d) * t.max_steps for t in trials])
+        self.seconds = np.array([cm.trial_job_seconds(t, d) for t in trials])
         self.fixed = cm.fixed_step_seconds(d)
         self.memory = np.array([cm.trial_memory(t) for t in trials]) / GB
         self.budget = cm.trial_budget(d) / GB
@@ -472,7 +472,7 @@ class _Scheduler:
             # A trial joins a job on d GPUs only if it costs no more GPU time there than its
             # estimate (`work`): an anchor that needs many GPUs should not drag pack-mates
             # onto them that run cheaper in smaller jobs.
-            own = np.array([d * self.cm.trial_step_seconds(t, d) * t.max_steps for t in self.trials])
+            own = np.array([d * self.cm.trial_job_seconds(t, d) for t in self.trials])
             self.eligible[d] = own <= self.work * (1 + 1e-9)
         return self.milps[d]
 

@@ -181,6 +181,27 @@ def test_step_time_roofline(cm):
     assert slow.step_seconds(4096, 0, 1) > 5 * t1
 
 
+def test_step_times_follow_the_mean_sample_length_and_memory_the_longest(cm):
+    short = dataclasses.replace(cm, mean_sample_tokens=128.0)
+    trial = TrialConfig(rank=16, batch_size=8)
+    assert short.trial_step_seconds(trial) < 0.5 * cm.trial_step_seconds(trial)  # a quarter of the tokens
+    assert short.memory_per_gpu([trial]) == cm.memory_per_gpu([trial])  # a batch may still be all long samples
+    with pytest.raises(ValueError, match="mean_sample_tokens.*max_seq_len"):
+        dataclasses.replace(cm, mean_sample_tokens=513.0)
+
+
+def test_time_outside_steps_counts_once_per_trial(cm):
+    stats = [{"tokens": n, "rank_tokens": 16 * n, "num_adapters": 1, "seconds": cm.step_seconds(n, 16 * n, 1)}
+             for n in (512, 4096)]
+    fitted = calibrate(cm, stats, trial_seconds=0.25)
+    trials = [TrialConfig(rank=16, batch_size=2, max_steps=10), TrialConfig(rank=8, batch_size=1, max_steps=30)]
+    assert fitted.calibration.trial_seconds == 0.25 and "0.25 s/trial" in fitted.calibration.describe()
+    without = dataclasses.replace(fitted, calibration=dataclasses.replace(fitted.calibration, trial_seconds=0.0))
+    assert fitted.job_seconds(trials) == pytest.approx(without.job_seconds(trials) + 0.5)
+    with pytest.raises(ValueError, match="trial_seconds"):
+        calibrate(cm, stats, trial_seconds=-1.0)
+
+
 def test_job_seconds_counts_trials_leaving(cm):
     trials = [TrialConfig(rank=8, batch_size=2, max_steps=10), TrialConfig(rank=32, batch_size=1, max_steps=25),
               TrialConfig(rank=16, batch_size=4, max_steps=5)]

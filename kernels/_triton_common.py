@@ -1,5 +1,5 @@
 """Device helpers shared by the multi-LoRA kernels: the adapter table reader, the dropout
-keep-mask and its bit-packed copy. Not kernels themselves; each kernel file imports what it
+keep-mask and its stored copy. Not kernels themselves; each kernel file imports what it
 needs.
 
 The keep-mask is drawn once, by the forward shrink, which also stores it: one uint8 nibble

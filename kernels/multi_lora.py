@@ -10,9 +10,10 @@ LoRAFusion's split at the rank-r tensor S, per call:
               dX = dY @ W + mask_i / (1 - p_i) * (dS @ A_i)  lora_gemm.py
 
 Saved for backward: x, S ([tokens, rank] in x's dtype), the dropout keep-mask (drawn once,
-by the forward shrink, as uint8 nibbles: 1/8 of x's size), the packed adapters and the routing tables;
-no dropped x. W and bias are frozen: no gradient is ever computed for them. The adapters enter concatenated (`cat_adapters`: one autograd edge each for all A
-and all B, whatever the number of adapters) and are packed into the compute dtype per call
+by the forward shrink, as uint8 nibbles: 1/8 of x's size), the packed adapters and the
+routing tables; no dropped x. W and bias are frozen: no gradient is ever computed for them.
+The adapters enter concatenated (`cat_adapters`: one autograd edge each for all A and all B,
+whatever the number of adapters) and are packed into the compute dtype per call
 (`pack_adapters`); the backward writes dA and dB in the same concatenated layout, and the
 cat's own backward hands each adapter its slice.
 """

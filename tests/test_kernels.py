@@ -30,7 +30,12 @@ from lora_sweep.kernels import (  # noqa: E402
     triton_multi_lora_linear,
 )
 from lora_sweep.kernels._triton_common import keep_mask  # noqa: E402
-from lora_sweep.kernels.dropout import empty_mask_nibbles, keep_mask_from_nibbles, keep_threshold, philox_randint4x  # noqa: E402
+from lora_sweep.kernels.dropout import (  # noqa: E402
+    empty_mask_nibbles,
+    keep_mask_from_nibbles,
+    keep_threshold,
+    philox_randint4x,
+)
 from lora_sweep.kernels.lora_gemm import lora_gemm, reference_lora_gemm  # noqa: E402
 from lora_sweep.kernels.metadata import INTERPRET_CONFIG, LoRABatchMeta  # noqa: E402
 from lora_sweep.kernels.multi_lora import cat_adapters, pack_adapters  # noqa: E402

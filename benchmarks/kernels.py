@@ -225,7 +225,7 @@ def section_check(res, device):
             p = make_pack(c["in_f"], c["out_f"], None, len(c["seg_lens"]), c["ranks"], c["dropout"], device,
                           seed=100 + ci, seg_lens=c["seg_lens"], none_every=c.get("none_every", 0))
             max_rank = max([a.shape[0] for a in p["lora_a"] if a is not None], default=0)
-            cfg = meta_mod.config_for(sum(c["seg_lens"]), c["seg_lens"], c["in_f"], c["out_f"], max_rank, not DRY)
+            cfg = meta_mod.config_for(max_rank, not DRY)
             cfg = dataclasses.replace(cfg, fused_base=fused_base)
             # poison: freed blocks the kernels' outputs will reuse hold NaN
             junk = torch.full((sum(c["seg_lens"]) * max(c["in_f"], c["out_f"]) * 4,), float("nan"), device=device,
@@ -325,7 +325,7 @@ def section_lora(res, device):
         y = torch.randn(tokens, out_f, device=device, dtype=x.dtype)
         dy = torch.randn_like(y)
         dx = torch.randn_like(x)
-        cfg = dataclasses.replace(meta_mod.config_for(tokens, p["seg_lens"], in_f, out_f, max(ranks), not DRY),
+        cfg = dataclasses.replace(meta_mod.config_for(max(ranks), not DRY),
                                   fused_base=False)
 
         def ours():
@@ -433,7 +433,7 @@ def section_tune(res, device, deadline):
                     continue
                 ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
                 p = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
-                base_cfg = meta_mod.config_for(tokens, p["seg_lens"], in_f, out_f, max(ranks), not DRY)
+                base_cfg = meta_mod.config_for(max(ranks), not DRY)
                 row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, base=bench_fwd_bwd(m_base, p))
                 for bm, bn, bk, warps, stages in TUNE_GEMMS:
                     for fused_base in (True, False):

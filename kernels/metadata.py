@@ -32,7 +32,7 @@ TILE_COLS = ("adapter", "row_start", "row_end")
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Block sizes and path choices of one call; from `kernel_config` (cached per shape)."""
+    """Block sizes and path choices of one call; from `config_for` (cached per largest rank)."""
 
     block_m: int = 128  # rows per tile, all kernels; a segment pads to a multiple of it
     # fused base GEMM + LoRA expand (forward Y, backward dX)
@@ -66,22 +66,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=256)
-def kernel_config(tokens_bucket: int, rows_per_adapter_bucket: int, in_features: int,
-                  out_features: int, max_rank: int, on_cuda: bool) -> KernelConfig:
-    """Block sizes by shape (buckets are powers of two); measured defaults, see
-    benchmarks/KERNELS_NOTES.md. All configs were checked spill-free for sm_90 offline.
-
-    64-row tiles everywhere: less padding per segment, and faster in-place adds.
-    """
+@functools.lru_cache(maxsize=64)
+def config_for(max_rank: int, on_cuda: bool) -> KernelConfig:
+    """Block sizes for a call whose largest adapter rank is `max_rank`: measured defaults
+    (see benchmarks/KERNELS_NOTES.md), all checked spill-free for sm_90 offline. Only the rank
+    block changes them today; the interpreter gets small blocks (`INTERPRET_CONFIG`)."""
     if not on_cuda:
         return INTERPRET_CONFIG
     block_r = rank_blocks(max(max_rank, 1))[0]
     # Measured (H200, run 1 of KERNELS_NOTES.md): cuBLAS for the base GEMMs plus the LoRA term
     # added in place beat the Triton base GEMM at every benchmark shape of >= 2048 tokens but
     # one, so the fused Triton GEMM (fused_base=True, 128x256x64, 8 warps, 3 stages) is opt-in.
-    # 64-row tiles: the in-place LoRA adds run 5-15% faster than with 128-row tiles at segments
-    # of 512-1792 rows too (H200, 7B and 1B projection shapes, 32 adapters; KERNELS_NOTES v5).
+    # 64-row tiles at every segment length: less padding per segment, and the in-place LoRA
+    # adds ran 5-15% faster than with 128-row tiles at 512-1792-row segments too (KERNELS_NOTES v5).
     return KernelConfig(
         block_m=64,
         gemm_block_n=128, gemm_block_k=64, gemm_warps=4, gemm_stages=3, fused_base=False,
@@ -89,13 +86,6 @@ def kernel_config(tokens_bucket: int, rows_per_adapter_bucket: int, in_features:
         reduce_block_m=64, reduce_block_n=128 if block_r <= 32 else 64, reduce_warps=4,
         chunk_rows=1024,
     )
-
-
-def config_for(tokens: int, seg_lens: Sequence[int], in_features: int, out_features: int,
-               max_rank: int, on_cuda: bool) -> KernelConfig:
-    nonzero = [s for s in seg_lens if s > 0] or [1]
-    return kernel_config(_next_pow2(tokens), _next_pow2(max(1, tokens // len(nonzero))),
-                         in_features, out_features, max_rank, on_cuda)
 
 
 def rank_blocks(max_rank: int) -> tuple[int, int]:

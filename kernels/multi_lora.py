@@ -156,7 +156,7 @@ def triton_multi_lora_linear(
     seeds = seed if isinstance(seed, torch.Tensor) and seed.dim() == 1 else per_adapter_seeds(seed, len(seg_lens))
     max_rank = max((a.shape[0] for a in lora_a if a is not None), default=0)
     if config is None:
-        config = config_for(x.shape[0], seg_lens, weight.shape[1], weight.shape[0], max_rank, x.is_cuda)
+        config = config_for(max_rank, x.is_cuda)
     meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, scales, dropout_p, seeds,
                                weight.shape[1], weight.shape[0], x.device, config)
     a_cat, b_flat = cat_adapters(lora_a, lora_b, meta.ranks)

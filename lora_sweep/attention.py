@@ -16,6 +16,7 @@ batches (an optional 2D padding mask is honoured).
 from __future__ import annotations
 
 import inspect
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,17 @@ def _padding_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> torch
     """transformers' mask-function interface: hand the 2D padding mask (or None) through as it
     is; `packed_attention` builds what it needs from it."""
     return attention_mask
+
+
+def sliding_window(config) -> Optional[int]:
+    """The attention window of a transformers config's model, in tokens, if some of its layers
+    attend only that far back (Mistral's `sliding_window`, Qwen2's with `use_sliding_window`);
+    None if every layer attends to the whole sample. `packed_attention` does not keep a window."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
 
 
 def use_packed_attention(model: nn.Module) -> None:

@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 from tqdm.auto import tqdm
 
-from .attention import use_packed_attention
+from .attention import sliding_window, use_packed_attention
 from .config import ConfigError, JobSpec, TrialConfig, check_against_model
 from .data import Sample, SampleStream, collate, load_rows, to_device, tokenize_rows
 from .export import peft_key, save_peft_adapter
@@ -183,6 +183,14 @@ class PackedJob:
         # sequence run in the same order whoever the pack-mates are (bit-identical isolation).
         padding = spec.padding if spec.padding != "auto" else ("packed" if self.device.type == "cuda"
                                                                else "max_seq_len")
+        window = sliding_window(self.model.config)
+        if padding == "packed" and window is not None and window < spec.max_seq_len:
+            # packed_attention attends over whole samples; the model's own attention keeps the window
+            if spec.padding == "packed":
+                raise ConfigError(f"padding='packed' cannot keep this model's sliding attention window of {window} "
+                                  f"tokens with max_seq_len={spec.max_seq_len}: use padding='max_seq_len' or "
+                                  f"max_seq_len <= {window}.", field="padding")
+            padding = "max_seq_len"
         self.pad_length = spec.max_seq_len if padding == "max_seq_len" else None
         self.packed = padding == "packed"
         if self.packed:

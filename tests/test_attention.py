@@ -5,6 +5,8 @@ the same reference in bf16 (skipped without a GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,3 +79,34 @@ def test_varlen_kernel_matches_the_dense_reference_in_bf16():
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for got, want in zip(grads, ref_grads):
         assert ((got.double() - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_sliding_windows_are_read_from_the_config():
+    from transformers import AutoConfig
+
+    from lora_sweep.attention import sliding_window
+
+    assert sliding_window(AutoConfig.for_model("llama")) is None
+    assert sliding_window(AutoConfig.for_model("qwen2")) is None  # use_sliding_window defaults to False
+    assert sliding_window(AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=16)) == 16
+    assert sliding_window(AutoConfig.for_model("mistral", sliding_window=16)) == 16
+    assert sliding_window(AutoConfig.for_model("mistral", sliding_window=None)) is None
+
+
+def test_packed_padding_refuses_a_window_shorter_than_the_samples(tmp_path, char_tokenizer, toy_data):
+    """packed_attention attends over whole samples: a model whose layers look back only 8
+    tokens cannot be trained packed at max_seq_len 32, and says so before any training."""
+    import lora_sweep as ls
+    from lora_sweep.config import ConfigError
+    from conftest import save_tiny_model
+
+    model_dir = save_tiny_model("mistral", char_tokenizer, tmp_path / "mistral", seed=2, sliding_window=8)
+    spec = ls.JobSpec(base_model=model_dir, train_data=toy_data[0], max_seq_len=32, padding="packed",
+                      output_dir=str(tmp_path / "runs"))
+    with pytest.raises(ConfigError, match="sliding attention window of 8.*max_seq_len=32") as err:
+        ls.PackedJob(spec, [ls.TrialConfig(rank=4, max_steps=2)], progress=False)
+    assert err.value.field == "padding"
+    # a window that covers every sample is no obstacle
+    wide = save_tiny_model("mistral", char_tokenizer, tmp_path / "wide", seed=2, sliding_window=32)
+    job = ls.PackedJob(dataclasses.replace(spec, base_model=wide), [], progress=False)
+    assert job.packed

@@ -200,7 +200,8 @@ class JobSpec:
                   "sample: FlashAttention's variable-length kernel on CUDA); longest / "
                   "max_seq_len: one row per sample, padded to the microbatch's longest sample or to max_seq_len "
                   "(then an adapter's arithmetic does not depend on its pack-mates, bit for bit). "
-                  "auto: packed on CUDA, max_seq_len elsewhere."},
+                  "auto: packed on CUDA (max_seq_len for a model with a sliding attention window shorter "
+                  "than max_seq_len, which packed rows cannot keep), max_seq_len elsewhere."},
     )
 
     def __post_init__(self):

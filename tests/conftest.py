@@ -9,13 +9,29 @@ import os
 # @triton.jit function is defined, i.e. before the first import of lora_sweep's kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib  # noqa: E402
 import random  # noqa: E402
 import string  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 CHARS = string.ascii_lowercase + string.digits + " =+-:>."
+
+
+def use_triton_interpreter(*kernel_modules: str):
+    """For a test module that runs Triton kernels on CPU tensors, before it imports them: turn
+    the interpreter on (even where TRITON_INTERPRET=0, on a GPU machine; it is read when a
+    kernel is decorated) and reload the named `lora_sweep.kernels` modules an earlier test
+    imported compiled, in the order given (helpers before their users). Skips the module
+    without Triton; returns the triton module."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    triton = pytest.importorskip("triton")
+    for name in kernel_modules:
+        if f"lora_sweep.kernels.{name}" in sys.modules:
+            importlib.reload(sys.modules[f"lora_sweep.kernels.{name}"])
+    return triton
 
 
 def make_char_tokenizer():

@@ -4,18 +4,13 @@ that are not a multiple of the block."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before they are imported
-pytest.importorskip("triton")
-if "lora_sweep.kernels.cross_entropy" in sys.modules:
-    importlib.reload(sys.modules["lora_sweep.kernels.cross_entropy"])
+from conftest import use_triton_interpreter
+
+use_triton_interpreter("cross_entropy")  # before the kernels are imported
 
 from lora_sweep.kernels.cross_entropy import cross_entropy_rows  # noqa: E402
 from lora_sweep.kernels.reference import IGNORE_INDEX, reference_cross_entropy_rows  # noqa: E402

@@ -6,22 +6,15 @@ mask bit-equal to Triton's Philox and reproducible from each adapter's own seed.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
 import random
-import sys
 
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before they are imported
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
+from conftest import use_triton_interpreter
 
-# a module imported earlier in this process without the interpreter is decorated for GPUs: redo it
-for _name in ("_triton_common", "shrink", "lora_gemm", "row_reduce", "multi_lora"):
-    if f"lora_sweep.kernels.{_name}" in sys.modules:
-        importlib.reload(sys.modules[f"lora_sweep.kernels.{_name}"])
+triton = use_triton_interpreter("_triton_common", "shrink", "lora_gemm", "row_reduce", "multi_lora")
+import triton.language as tl  # noqa: E402
 
 from lora_sweep.kernels import (  # noqa: E402
     dropout_keep_mask,

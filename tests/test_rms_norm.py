@@ -4,17 +4,12 @@ norms, which must leave the model's outputs and state-dict names as they were.""
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before they are imported
-pytest.importorskip("triton")
-if "lora_sweep.kernels.rmsnorm" in sys.modules:
-    importlib.reload(sys.modules["lora_sweep.kernels.rmsnorm"])
+from conftest import use_triton_interpreter
+
+use_triton_interpreter("rmsnorm")  # before the kernels are imported
 
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 

@@ -5,18 +5,13 @@ names as they were."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before they are imported
-pytest.importorskip("triton")
-if "lora_sweep.kernels.swiglu" in sys.modules:
-    importlib.reload(sys.modules["lora_sweep.kernels.swiglu"])
+from conftest import use_triton_interpreter
+
+use_triton_interpreter("swiglu")  # before the kernels are imported
 
 from lora_sweep.kernels.swiglu import silu_mul  # noqa: E402
 from lora_sweep.layers import FusedGatedMLP  # noqa: E402

@@ -99,31 +99,33 @@ def inject_multi_lora(model: nn.Module, target_modules, segments: SegmentTable) 
     return layers
 
 
+def _swap_children(model: nn.Module, swap) -> int:
+    """Replace, in place, every submodule for which `swap(module)` returns a module by that
+    module. Returns how many were replaced."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            replacement = swap(child)
+            if replacement is not None:
+                setattr(parent, name, replacement)
+                count += 1
+    return count
+
+
 def fuse_rms_norms(model: nn.Module) -> int:
     """Replace the model's frozen RMSNorms of the kinds in `FUSABLE_NORMS` by `FusedRMSNorm`,
     in place. Returns how many were replaced."""
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child).__name__ in FUSABLE_NORMS and not child.weight.requires_grad:
-                setattr(module, name, FusedRMSNorm(child))
-                count += 1
-    return count
+    return _swap_children(model, lambda m: FusedRMSNorm(m) if type(m).__name__ in FUSABLE_NORMS
+                          and not m.weight.requires_grad else None)
 
 
 def fuse_gated_mlps(model: nn.Module) -> int:
     """Replace the model's gated MLPs of the kinds in `FUSABLE_MLPS` whose activation is SiLU
-    by `FusedGatedMLP`, in place (after `inject_multi_lora`: the fused MLP calls whatever
-    projections it finds). Returns how many were replaced."""
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            act = type(getattr(child, "act_fn", None)).__name__
-            if type(child).__name__ in FUSABLE_MLPS and act in ("SiLU", "SiLUActivation"):  # torch's or transformers'
-
-                setattr(module, name, FusedGatedMLP(child))
-                count += 1
-    return count
+    (torch's or transformers' class) by `FusedGatedMLP`, in place, after `inject_multi_lora`
+    (the fused MLP calls whatever projections it finds). Returns how many were replaced."""
+    silu = ("SiLU", "SiLUActivation")
+    return _swap_children(model, lambda m: FusedGatedMLP(m) if type(m).__name__ in FUSABLE_MLPS
+                          and type(getattr(m, "act_fn", None)).__name__ in silu else None)
 
 
 def split_causal_lm(model: nn.Module) -> tuple[nn.Module, torch.Tensor]:

@@ -92,7 +92,8 @@ def reference_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def reference_cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, need_grad: bool):
     """(losses fp32 [rows], d(sum of losses)/d(logits) in the logits' dtype, or None): token
     cross-entropy of each row, computed in fp32 as transformers' loss upcasts the logits;
-    rows whose target is IGNORE_INDEX count zero and get a zero gradient."""
+    rows whose target is IGNORE_INDEX count zero and get a zero gradient. With `need_grad`,
+    fp32 logits are overwritten (as the kernel overwrites any): the caller gives them up."""
     dtype, logits = logits.dtype, logits.float()
     valid = targets != IGNORE_INDEX
     safe_targets = targets.clamp(min=0)

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from .config import ConfigError
+from .kernels.reference import IGNORE_INDEX  # the loss's: one value for labels and loss
 
 logger = logging.getLogger(__name__)
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

@@ -215,8 +215,9 @@ class PackedLoRASampler(BaseSampler):
         told FAIL with the user attr ``requeued`` (they do not count) and their params
         enqueued again as new trials (user attr ``restart_of``). They continue from the dead
         trial's last engine checkpoint when the spec sets ``checkpoint_every`` (and the
-        workers share its ``output_dir``), else they train anew from step 0. Workers racing for the last trials may overshoot the total by one
-        trial each, as with Optuna's `MaxTrialsCallback`.
+        workers share its ``output_dir``), else they train anew from step 0. Workers racing
+        for the last trials may overshoot the total by one trial each, as with Optuna's
+        `MaxTrialsCallback`.
 
         After `timeout` no new trial starts; running ones finish. `study.stop()` in a
         callback works as in `Study.optimize`. If the sweep is interrupted (Ctrl-C or an

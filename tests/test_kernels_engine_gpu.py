@@ -1,6 +1,7 @@
 """On CUDA: a packed job with the fused Triton kernels trains like the torch path, to bf16
-tolerance (1% at the first step, 5% over 8 steps of drift), on a small real architecture (Qwen2.5's layout with random weights). Skipped
-without a GPU; run it on one with `pytest tests/test_kernels_engine_gpu.py`."""
+tolerance (1% at the first step, 5% over 8 steps of drift), on a small real architecture
+(Qwen2.5's layout with random weights). Skipped without a GPU; run it on one with
+`pytest tests/test_kernels_engine_gpu.py`."""
 
 from __future__ import annotations
 

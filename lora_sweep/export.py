@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 
 import torch
-from safetensors.torch import save_file
 
 from .config import TrialConfig
+
+# safetensors' names of the dtypes an adapter can have
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
 def peft_key(module_name: str, which: str) -> str:
@@ -33,8 +37,36 @@ def save_peft_adapter(path: str, cfg: TrialConfig, weights: dict[str, torch.Tens
         base_model_name_or_path=base_model_name,
     )
     config.save_pretrained(path)
-    # copies: the weights are views into one buffer per adapter, and safetensors refuses
-    # tensors that share memory
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(os.path.join(path, "adapter_model.safetensors"), weights, metadata={"format": "pt"})
     return path
+
+
+def write_safetensors(file: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write `tensors` (all of one dtype, on any device) as one safetensors file.
+
+    An adapter is a few hundred small tensors: copied to the host one by one (as
+    `safetensors.torch.save_file` needs), each copy waits for the device, and a 16-adapter
+    pack of mean rank 60 on a 1B model spent about 1.4 s in them on an H200. Here they are
+    gathered on their device and cross once, into pinned memory (torch caches it between
+    calls; one copy into fresh pageable memory still ran at about 1.8 GB/s). The file is the
+    format's header (JSON of dtype, shape and byte range per name, padded to 8 bytes)
+    followed by the bytes in that order."""
+    names = list(tensors)
+    dtypes = {tensors[n].dtype for n in names}
+    if len(dtypes) > 1 or not dtypes <= set(SAFETENSORS_DTYPES):
+        raise ValueError(f"Expected tensors of one dtype among {list(SAFETENSORS_DTYPES)}, got {dtypes}.")
+    flat = torch.cat([tensors[n].detach().reshape(-1) for n in names]) if names else torch.empty(0)
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.is_cuda).copy_(flat)
+    data = host.view(torch.uint8).numpy()
+    header, offset = {"__metadata__": metadata}, 0
+    for n in names:
+        size = tensors[n].numel() * tensors[n].element_size()
+        header[n] = {"dtype": SAFETENSORS_DTYPES[tensors[n].dtype], "shape": list(tensors[n].shape),
+                     "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        f.write(memoryview(data))

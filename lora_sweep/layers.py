@@ -14,7 +14,6 @@ from typing import Optional
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from .data import to_device
 from .kernels import multi_lora_linear, rms_norm, silu_mul, uses_triton
@@ -69,6 +68,18 @@ def mix_seed(*parts):
     return int(seeds.reshape(-1)[0]) if all(np.ndim(p) == 0 for p in parts) else seeds
 
 
+def _linear_holding(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free `nn.Linear` whose weight is `weight`, built without nn.Linear's own
+    initialisation: constructing a pack's thousands of small layers the usual way (even
+    through `skip_init`) cost about 0.3 ms each, a second for 16 adapters on a 1B model."""
+    layer = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
+    layer.weight = nn.Parameter(weight)
+    layer.register_parameter("bias", None)
+    return layer
+
+
 class MultiLoRALinear(nn.Module):
     """A frozen `nn.Linear` plus any number of LoRA adapters of different ranks.
 
@@ -104,15 +115,12 @@ class MultiLoRALinear(nn.Module):
         drawn in fp32 on the generator's device (the engine's: a CPU draw of a whole pack's A
         matrices took seconds), then cast to `dtype`."""
         device = self.base_layer.weight.device
-        # skip_init: no throwaway default initialisation before ours
-        lora_a = skip_init(nn.Linear, self.in_features, rank, bias=False, device=device, dtype=dtype)
-        lora_b = skip_init(nn.Linear, rank, self.out_features, bias=False, device=device, dtype=dtype)
         # Same bound as nn.init.kaiming_uniform_(a=sqrt(5)), drawn from the trial's own generator.
         bound = 1.0 / math.sqrt(self.in_features)
-        with torch.no_grad():
-            a = torch.empty(rank, self.in_features, device=generator.device, dtype=torch.float32)
-            lora_a.weight.copy_(a.uniform_(-bound, bound, generator=generator))
-            nn.init.zeros_(lora_b.weight)
+        a = torch.empty(rank, self.in_features, device=generator.device, dtype=torch.float32)
+        a = a.uniform_(-bound, bound, generator=generator).to(device, dtype)
+        lora_a = _linear_holding(a)
+        lora_b = _linear_holding(torch.zeros(self.out_features, rank, device=device, dtype=dtype))
         self.lora_A[name] = lora_a
         self.lora_B[name] = lora_b
         self.scaling[name] = float(scaling)

@@ -584,7 +584,8 @@ def summary(result: dict) -> dict:
 
 def merge(paths: list[str], out: str) -> None:
     """One results file from runs made in pieces (one model per run, say): throughput rows
-    concatenated, the other sections from the run that has them, each run's args kept."""
+    concatenated, the other sections from the last run that has them, each run's args and
+    date kept. A merged file can be merged again."""
     runs = []
     for p in paths:
         with open(p) as f:
@@ -592,7 +593,9 @@ def merge(paths: list[str], out: str) -> None:
     if len({r["gpu"] for r in runs}) != 1:
         raise SystemExit(f"Refusing to merge runs on different GPUs: {sorted({r['gpu'] for r in runs})}.")
     merged = {k: runs[0][k] for k in ("benchmark", "date", "gpu", "versions")}
-    merged["runs"] = [{"args": r["args"], "ceilings": r["ceilings"], "seconds": r.get("seconds")} for r in runs]
+    # a merged file merges again: its own runs are kept as they are
+    merged["runs"] = [run for r in runs for run in r.get("runs", [
+        {"args": r.get("args"), "ceilings": r["ceilings"], "seconds": r.get("seconds"), "date": r["date"]}])]
     merged["ceilings"] = runs[0]["ceilings"]  # MFU of each row uses its own run's ceiling
     merged["throughput"] = [row for r in runs for row in r.get("throughput", [])]
     for section in ("kernels", "makespan", "overhead", "profile"):

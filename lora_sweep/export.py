@@ -56,7 +56,7 @@ def write_safetensors(file: str, tensors: dict[str, torch.Tensor], metadata: dic
     if len(dtypes) > 1 or not dtypes <= set(SAFETENSORS_DTYPES):
         raise ValueError(f"Expected tensors of one dtype among {list(SAFETENSORS_DTYPES)}, got {dtypes}.")
     flat = torch.cat([tensors[n].detach().reshape(-1) for n in names]) if names else torch.empty(0)
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.is_cuda).copy_(flat)
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat) if flat.is_cuda else flat
     data = host.view(torch.uint8).numpy()
     header, offset = {"__metadata__": metadata}, 0
     for n in names:

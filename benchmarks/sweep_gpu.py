@@ -90,9 +90,9 @@ def synthetic_rows(n: int, seq_len: int, seed: int) -> list[dict]:
     return rows
 
 
-def spec_for(model, rows, seq_len, **kw) -> ls.JobSpec:
+def spec_for(model, rows, seq_len, device="cuda", **kw) -> ls.JobSpec:
     return ls.JobSpec(base_model=lambda: model, tokenizer=tiny_model_path(), train_data=rows, max_seq_len=seq_len,
-                      eval_every=10**9, output_dir="/tmp/lora_sweep_bench", device="cuda", **kw)
+                      eval_every=10**9, output_dir="/tmp/lora_sweep_bench", device=device, **kw)
 
 
 def flops(shape: ModelShape, lengths: list[int], rank_tokens: float, modules=PROJECTIONS) -> float:
@@ -160,9 +160,9 @@ def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, **spec_kw
     return result
 
 
-def tokenized(model, rows, seq_len):
+def tokenized(model, rows, seq_len, device="cuda"):
     """The samples and pad id of `rows` exactly as a packed job tokenises them, for the PEFT side."""
-    job = ls.PackedJob(spec_for(model, rows, seq_len), [], progress=False)
+    job = ls.PackedJob(spec_for(model, rows, seq_len, device=device), [], progress=False)
     samples, pad_id = job.train_samples, job.pad_id
     del job
     strip_adapters(model)
@@ -189,6 +189,18 @@ def time_peft(model, cfg, rows, seq_len, warmup: int, steps: int) -> dict:
     torch.cuda.empty_cache()
     return {"median_step_s": statistics.median(times), "tokens_per_step": statistics.mean(tokens[warmup + 1:]),
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def peft_in_process_of_its_own(model_name, cfg, seq_len, rows_seed, out_dir) -> dict:
+    """One PEFT trial run by `benchmarks.peft_process` in a fresh process (cold, as a user's
+    separate fine-tune): its `trial_s` and `step_s`."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "benchmarks.peft_process", "--model", model_name, "--seq", str(seq_len),
+           "--rows-seed", str(rows_seed), "--config", json.dumps(cfg.to_dict()), "--out", out_dir]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------- sections
@@ -276,9 +288,11 @@ def table1_configs(n: int, steps: int, seed: int = 0) -> list[ls.TrialConfig]:
     return configs
 
 
-def makespan(model_name, seq, steps, log, microbatch_tokens) -> dict:
+def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=False) -> dict:
     """Predicted makespan of 120 Table-1 configs packed and one at a time, from cost models
-    calibrated on this GPU, and a measured 16-config subset both ways."""
+    calibrated on this GPU, and a measured 16-config subset both ways. With `peft_processes`
+    every PEFT run (probes and measured trials) is a process of its own, started cold, as a
+    sweep of separate fine-tunes runs; model building is left out of its time."""
     from lora_sweep.costmodel import CostModel, calibrate, detect, profile_job
     from lora_sweep.planner import plan
 
@@ -321,20 +335,30 @@ def makespan(model_name, seq, steps, log, microbatch_tokens) -> dict:
 
     # calibrate one-trial-at-a-time PEFT from its own steps, and its time outside them (wrapping
     # the model, saving the adapter, unwrapping)
-    peft_stats = []
+    peft_stats, peft_outside = [], []
     for cfg in probe[:4]:
-        r = time_peft(model, dataclasses.replace(cfg, max_steps=10**6), rows, seq, 3, 8)
-        peft_stats.append({"tokens": r["tokens_per_step"], "padded_tokens": r["tokens_per_step"],
-                           "rank_tokens": cfg.rank * r["tokens_per_step"], "num_adapters": 1,
-                           "rank_sum": cfg.rank, "seconds": r["median_step_s"], "peak_memory_bytes": None})
-    with tempfile.TemporaryDirectory() as out_dir:
-        t0 = time.perf_counter()
-        for cfg in finishing:
-            peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
-            peft_model.save_pretrained(os.path.join(out_dir, cfg.trial_id))
-            peft_model.unload()
-        torch.cuda.synchronize()
-        peft_trial_s = (time.perf_counter() - t0) / len(finishing)
+        if peft_processes:  # cold: 11 steps, the median of the last 8 intervals
+            with tempfile.TemporaryDirectory() as out_dir:
+                r = peft_in_process_of_its_own(model_name, dataclasses.replace(cfg, max_steps=11), seq, 3, out_dir)
+            step_s = statistics.median(r["step_s"][-8:])
+            peft_outside.append(r["trial_s"] - sum(r["step_s"]) - step_s)  # the first step has no interval
+            tokens = statistics.mean(r["tokens"][-8:])
+        else:
+            t = time_peft(model, dataclasses.replace(cfg, max_steps=10**6), rows, seq, 3, 8)
+            step_s, tokens = t["median_step_s"], t["tokens_per_step"]
+        peft_stats.append({"tokens": tokens, "padded_tokens": tokens, "rank_tokens": cfg.rank * tokens,
+                           "num_adapters": 1, "rank_sum": cfg.rank, "seconds": step_s, "peak_memory_bytes": None})
+    if peft_processes:
+        peft_trial_s = statistics.mean(peft_outside)
+    else:
+        with tempfile.TemporaryDirectory() as out_dir:
+            t0 = time.perf_counter()
+            for cfg in finishing:
+                peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
+                peft_model.save_pretrained(os.path.join(out_dir, cfg.trial_id))
+                peft_model.unload()
+            torch.cuda.synchronize()
+            peft_trial_s = (time.perf_counter() - t0) / len(finishing)
     peft_cm = calibrate(base_cm, peft_stats, trial_seconds=peft_trial_s)
 
     predicted = {
@@ -362,17 +386,23 @@ def makespan(model_name, seq, steps, log, microbatch_tokens) -> dict:
     torch.cuda.synchronize()
     measured_packed = time.perf_counter() - t0
     t0 = time.perf_counter()
+    peft_trials = []
     with tempfile.TemporaryDirectory() as out_dir:
         for cfg in subset:  # and each PEFT run saves its adapter, as a user's would
+            if peft_processes:
+                peft_trials.append(peft_in_process_of_its_own(model_name, cfg, seq, 3,
+                                                              os.path.join(out_dir, cfg.trial_id))["trial_s"])
+                continue
             peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
             train_alone_with_peft(peft_model, cfg, samples, pad_id, device="cuda")
             peft_model.save_pretrained(os.path.join(out_dir, cfg.trial_id))
             peft_model.unload()
         torch.cuda.synchronize()
-        measured_peft = time.perf_counter() - t0
+        measured_peft = sum(peft_trials) if peft_processes else time.perf_counter() - t0
     del model
     torch.cuda.empty_cache()
-    result = {"model": model_name, "seq": seq, "steps": steps, "predicted": predicted,
+    result = {"model": model_name, "seq": seq, "steps": steps, "peft_processes": peft_processes,
+              "peft_trial_s": peft_trials or None, "predicted": predicted,
               "measured": {"packed_16": measured_packed, "peft_16": measured_peft},
               "packed_16_breakdown": {"construct_s": construct_s,
                                       "steps_s": sum(st["seconds"] for st in measured_steps),
@@ -502,6 +532,8 @@ def main():
     parser.add_argument("--profile", default="", help="model,seq,adapters,batch of a packed step to profile")
     parser.add_argument("--sweep-steps", type=int, default=30, help="steps of every config in makespan/overhead")
     parser.add_argument("--microbatch-tokens", type=int, default=64 * 1024)
+    parser.add_argument("--peft-processes", action="store_true",
+                        help="makespan: run every PEFT trial in a process of its own (cold, as separate fine-tunes)")
     parser.add_argument("--plot-only", help="redraw the plot of a saved results JSON and exit")
     parser.add_argument("--merge", nargs="+", help="merge the results JSONs of several runs into --out and exit")
     args = parser.parse_args()
@@ -547,7 +579,7 @@ def main():
         save()
     if "makespan" in sections:
         result["makespan"] = makespan(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log,
-                                      args.microbatch_tokens)
+                                      args.microbatch_tokens, args.peft_processes)
         save()
     if "overhead" in sections:
         result["overhead"] = overhead(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log)

@@ -12,8 +12,8 @@ user's separate fine-tunes do. `sweep_gpu.py --peft-processes` uses it for the m
 prints one JSON line: `trial_s`, the seconds from wrapping the model to its adapter saved in
 DIR (building the model and tokenising are left out, as in the in-process baseline),
 `step_s`, the seconds between consecutive optimizer steps, and `tokens`, each step's real
-tokens. `--model` is a name in `costmodel.PRESETS` (random
-weights, built on the GPU) or a saved model's directory.
+tokens. `--model` is a name in `costmodel.PRESETS` (random weights, built on the GPU) or a
+saved model's directory.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def main() -> None:
     trial_s = time.perf_counter() - t0
     step_s = [a.elapsed_time(b) / 1e3 if on_cuda else b - a for a, b in zip(marks, marks[1:])]
     print(json.dumps({"trial_s": trial_s, "step_s": step_s, "tokens": tokens_per_step}))
+
 
 if __name__ == "__main__":
     main()

@@ -36,6 +36,7 @@ from torch import nn
 import lora_sweep as ls
 from lora_sweep.costmodel import PRESETS, ModelShape
 from lora_sweep.layers import FusedGatedMLP, FusedRMSNorm, MultiLoRALinear
+from lora_sweep.model import swap_children
 from lora_sweep.tiny import tiny_model_path
 
 from benchmarks.peft_baseline import peft_model_for, train_alone_with_peft
@@ -62,14 +63,9 @@ def build_model(name: str) -> nn.Module:
 def strip_adapters(model: nn.Module) -> nn.Module:
     """Put the plain linear layers, the model's own norms and MLPs and SDPA attention back
     after a packed job, so the next run (PEFT's included) starts clean."""
-    for module in list(model.modules()):  # first the fused modules, whose originals hold the projections
-        for name, child in list(module.named_children()):
-            if isinstance(child, (FusedRMSNorm, FusedGatedMLP)):
-                setattr(module, name, child.original)
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, MultiLoRALinear):
-                setattr(module, name, child.base_layer)
+    # first the fused modules, whose originals hold the projections
+    swap_children(model, lambda m: m.original if isinstance(m, (FusedRMSNorm, FusedGatedMLP)) else None)
+    swap_children(model, lambda m: m.base_layer if isinstance(m, MultiLoRALinear) else None)
     model.config._attn_implementation = "sdpa"
     return model
 

@@ -99,7 +99,7 @@ def inject_multi_lora(model: nn.Module, target_modules, segments: SegmentTable) 
     return layers
 
 
-def _swap_children(model: nn.Module, swap) -> int:
+def swap_children(model: nn.Module, swap) -> int:
     """Replace, in place, every submodule for which `swap(module)` returns a module by that
     module. Returns how many were replaced."""
     count = 0
@@ -115,7 +115,7 @@ def _swap_children(model: nn.Module, swap) -> int:
 def fuse_rms_norms(model: nn.Module) -> int:
     """Replace the model's frozen RMSNorms of the kinds in `FUSABLE_NORMS` by `FusedRMSNorm`,
     in place. Returns how many were replaced."""
-    return _swap_children(model, lambda m: FusedRMSNorm(m) if type(m).__name__ in FUSABLE_NORMS
+    return swap_children(model, lambda m: FusedRMSNorm(m) if type(m).__name__ in FUSABLE_NORMS
                           and not m.weight.requires_grad else None)
 
 
@@ -124,7 +124,7 @@ def fuse_gated_mlps(model: nn.Module) -> int:
     (torch's or transformers' class) by `FusedGatedMLP`, in place, after `inject_multi_lora`
     (the fused MLP calls whatever projections it finds). Returns how many were replaced."""
     silu = ("SiLU", "SiLUActivation")
-    return _swap_children(model, lambda m: FusedGatedMLP(m) if type(m).__name__ in FUSABLE_MLPS
+    return swap_children(model, lambda m: FusedGatedMLP(m) if type(m).__name__ in FUSABLE_MLPS
                           and type(getattr(m, "act_fn", None)).__name__ in silu else None)
 
 

@@ -80,11 +80,13 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
 
 
 def gpu_profile(gpu: Union[str, GPU]) -> GPU:
-    """Look a GPU up in `GPUS` by name ("H100 SXM", "h100-sxm" and "h100_sxm" all work).
+    """Look a GPU up in `GPUS` by its row's name ("H100 SXM", "h100-sxm" and "h100_sxm" all
+    work) or by the name CUDA reports for the device ("NVIDIA H100 80GB HBM3"), so that a
+    results file's ``torch.cuda.get_device_name()`` finds its row on any machine.
 
     Args:
         gpu:
-            A name from `GPUS`, ``"cpu"``, or a `GPU` (returned unchanged).
+            A name from `GPUS`, a CUDA device name, ``"cpu"``, or a `GPU` (returned unchanged).
 
     Returns:
         The `GPU`.
@@ -94,9 +96,31 @@ def gpu_profile(gpu: Union[str, GPU]) -> GPU:
     key = str(gpu).lower().replace(" ", "-").replace("_", "-")
     if key == "cpu":
         return _cpu_profile()
-    if key not in GPUS:
-        raise ValueError(f"The value of `gpu` is {gpu!r}, but must be one of {sorted(GPUS)} or 'cpu'.")
+    key = key if key in GPUS else _row_of_device_name(str(gpu))
+    if key is None:
+        raise ValueError(f"The value of `gpu` is {gpu!r}, but must be one of {sorted(GPUS)}, a CUDA device name "
+                         "of one of them, or 'cpu'.")
     return GPUS[key]
+
+
+def _row_of_device_name(name: str, memory_gb: Optional[float] = None) -> Optional[str]:
+    """The `GPUS` row of a CUDA device name; `memory_gb` tells an A100's two sizes apart
+    (else the name does)."""
+    name = name.lower()
+    if "h200" in name:
+        return "h200"
+    if "h100" in name:
+        return "h100-pcie" if "pcie" in name else "h100-sxm"
+    if "a100" in name:
+        large = memory_gb > 50 if memory_gb is not None else "80gb" in name
+        return "a100-80gb" if large else "a100-40gb"
+    if "a10g" in name:
+        return "a10g"
+    if "4090" in name:
+        return "rtx4090"
+    if "l4" in name.split():
+        return "l4"
+    return None
 
 
 def detect() -> GPU:
@@ -112,22 +136,11 @@ def detect() -> GPU:
 
     if not torch.cuda.is_available():
         return _cpu_profile()
-    name = torch.cuda.get_device_name(0).lower()
+    name = torch.cuda.get_device_name(0)
     memory_gb = torch.cuda.get_device_properties(0).total_memory / GB
-    if "h200" in name:
-        key = "h200"
-    elif "h100" in name:
-        key = "h100-pcie" if "pcie" in name else "h100-sxm"
-    elif "a100" in name:
-        key = "a100-80gb" if memory_gb > 50 else "a100-40gb"
-    elif "a10g" in name:
-        key = "a10g"
-    elif "4090" in name:
-        key = "rtx4090"
-    elif "l4" in name.split():
-        key = "l4"
-    else:
-        warnings.warn(f"Unknown GPU {name!r}: using A100 rates until `calibrate` measures it.")
+    key = _row_of_device_name(name, memory_gb)
+    if key is None:
+        warnings.warn(f"Unknown GPU {name.lower()!r}: using A100 rates until `calibrate` measures it.")
         key = "a100-80gb"
     return dataclasses.replace(GPUS[key], memory_gb=memory_gb)
 

@@ -84,6 +84,9 @@ def test_gpu_profiles():
     with pytest.raises(ValueError, match="`gpu`"):
         gpu_profile("tpu-v5")
     assert gpu_profile("cpu").name == "cpu"
+    # the names CUDA reports, as results files record them
+    assert gpu_profile("NVIDIA H200") is GPUS["h200"] and gpu_profile("NVIDIA H100 80GB HBM3") is GPUS["h100-sxm"]
+    assert gpu_profile("NVIDIA A100-SXM4-40GB") is GPUS["a100-40gb"] and gpu_profile("NVIDIA L4") is GPUS["l4"]
 
 
 def test_detect_falls_back_to_the_cpu(monkeypatch):

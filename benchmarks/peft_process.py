@@ -4,7 +4,7 @@ A PEFT step on a small model is host-bound, and it costs more the first time a p
 its shapes (cuBLAS's and SDPA's kernel choice): on an H200 one config stepped in 172 ms as a
 process's first run and in 80 ms later in the same process. A baseline that runs every trial
 in one process therefore speeds up as it goes; run each trial here and it starts cold, as a
-user's separate fine-tunes do. `sweep_gpu.py --peft-processes` uses it for the makespan.
+user's separate fine-tunes do. `sweep_gpu.py`'s makespan uses it for every PEFT trial.
 
     python -m benchmarks.peft_process --model llama-3.2-1b --seq 256 --rows-seed 3 \\
         --config '{"rank": 16, "alpha": 32, "batch_size": 4, "max_steps": 20}' --out DIR

@@ -8,7 +8,8 @@ downloaded), samples of varying length, one GPU. Sections (pick with --sections)
 * kernels     the packed job with the Triton kernels vs the torch path (LORA_SWEEP_KERNELS=torch)
 * makespan    120 configs of PLoRA's Table 1 space: the planner's predicted makespan for
               lora_sweep and for one-trial-at-a-time PEFT, and a measured 16-config subset
-              both ways against the prediction (each trial's adapter saved, both ways)
+              both ways against the prediction (each trial's adapter saved, both ways; each
+              PEFT trial a process of its own unless --peft-in-process)
 * overhead    the same 16 configs through PackedLoRASampler vs PackedJob driven directly
 
     python -m benchmarks.sweep_gpu --models llama-3.2-1b --seq 256 --out results.json
@@ -184,7 +185,8 @@ def time_peft(model, cfg, rows, seq_len, warmup: int, steps: int) -> dict:
     peft_model.unload()
     torch.cuda.empty_cache()
     return {"median_step_s": statistics.median(times), "tokens_per_step": statistics.mean(tokens[warmup + 1:]),
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30}
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
+            "step_s": times, "tokens": tokens[warmup + 1:]}  # each interval with the tokens of the step ending it
 
 
 def peft_in_process_of_its_own(model_name, cfg, seq_len, rows_seed, out_dir) -> dict:
@@ -284,7 +286,40 @@ def table1_configs(n: int, steps: int, seed: int = 0) -> list[ls.TrialConfig]:
     return configs
 
 
-def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=False) -> dict:
+def probe_configs() -> list[ls.TrialConfig]:
+    """The configs whose steps calibrate the cost models: the packed engine's ten jobs mix them,
+    PEFT runs the first four alone."""
+    return [ls.TrialConfig(rank=r, alpha=2 * r, batch_size=b, max_steps=10**6, trial_id=f"p{i}")
+            for i, (r, b) in enumerate([(8, 1), (16, 4), (32, 8), (64, 2), (128, 16), (16, 32), (128, 1), (8, 16),
+                                        (32, 64), (64, 48)])]
+
+
+def peft_cost_model(base_cm, probe_runs: list[dict], trial_s: float | None = None):
+    """One-trial-at-a-time PEFT's cost model, fitted to its probes' steps: `probe_runs[i]` is
+    `probe_configs()[i]` trained alone, its `step_s` (seconds between optimizer steps) and
+    `tokens` (each step's), paired from the end, and with `trial_s` when it ran in a process of
+    its own. A trial's time outside steps (wrapping, the first step, saving) is then each run's
+    `trial_s` less its intervals and one typical step, else the `trial_s` given.
+
+    Every timed step is a point of the fit, not each probe's median: a trial's time is a sum of
+    steps, which least squares over the steps themselves predicts, while four medians let one
+    slow probe tilt the whole fit. Steps over 3x the median of all are host stalls, not steps,
+    and are left out (on an H200: 4 steps of 1.4 s in one probe of 16, against a median of
+    0.2 s; 1 in 1,856 measured steps)."""
+    from lora_sweep.costmodel import calibrate
+
+    steps = [list(zip(r["step_s"][-8:], r["tokens"][-8:])) for r in probe_runs]
+    typical = statistics.median(s for run in steps for s, _ in run)
+    steps = [[(s, n) for s, n in run if s < 3 * typical] for run in steps]
+    if trial_s is None:  # the first step has no interval: a kept step stands in for it
+        trial_s = statistics.mean(r["trial_s"] - sum(r["step_s"]) - statistics.mean(s for s, _ in run)
+                                  for r, run in zip(probe_runs, steps))
+    stats = [{"tokens": n, "padded_tokens": n, "rank_tokens": cfg.rank * n, "num_adapters": 1, "rank_sum": cfg.rank,
+              "seconds": s, "peak_memory_bytes": None} for cfg, run in zip(probe_configs(), steps) for s, n in run]
+    return calibrate(base_cm, stats, trial_seconds=trial_s), stats
+
+
+def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True) -> dict:
     """Predicted makespan of 120 Table-1 configs packed and one at a time, from cost models
     calibrated on this GPU, and a measured 16-config subset both ways. With `peft_processes`
     every PEFT run (probes and measured trials) is a process of its own, started cold, as a
@@ -306,9 +341,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=Fals
     # sizes from 1 to 10, and ranks and batch sizes that do not grow together, so the fit can
     # tell per-step, per-adapter, token and rank costs apart; the last two jobs step as many
     # tokens as a full pack of Table-1 configs, where the token cost dominates
-    probe = [ls.TrialConfig(rank=r, alpha=2 * r, batch_size=b, max_steps=10**6, trial_id=f"p{i}")
-             for i, (r, b) in enumerate([(8, 1), (16, 4), (32, 8), (64, 2), (128, 16), (16, 32), (128, 1), (8, 16),
-                                         (32, 64), (64, 48)])]
+    probe = probe_configs()
     stats = []
     for members in ([0], [5], [4], [0, 1, 2], [3, 6, 7], [5, 6], [0, 1, 2, 3, 4, 5], list(range(8)), [8, 9],
                     [4, 5, 7, 8, 9]):
@@ -331,22 +364,16 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=Fals
 
     # calibrate one-trial-at-a-time PEFT from its own steps, and its time outside them (wrapping
     # the model, saving the adapter, unwrapping)
-    peft_stats, peft_outside = [], []
+    peft_runs = {"probes": [], "trials": []}
     for cfg in probe[:4]:
-        if peft_processes:  # cold: 11 steps, the median of the last 8 intervals
+        if peft_processes:  # cold: 11 steps
             with tempfile.TemporaryDirectory() as out_dir:
-                r = peft_in_process_of_its_own(model_name, dataclasses.replace(cfg, max_steps=11), seq, 3, out_dir)
-            step_s = statistics.median(r["step_s"][-8:])
-            peft_outside.append(r["trial_s"] - sum(r["step_s"]) - step_s)  # the first step has no interval
-            tokens = statistics.mean(r["tokens"][-8:])
+                peft_runs["probes"].append(peft_in_process_of_its_own(
+                    model_name, dataclasses.replace(cfg, max_steps=11), seq, 3, out_dir))
         else:
-            t = time_peft(model, dataclasses.replace(cfg, max_steps=10**6), rows, seq, 3, 8)
-            step_s, tokens = t["median_step_s"], t["tokens_per_step"]
-        peft_stats.append({"tokens": tokens, "padded_tokens": tokens, "rank_tokens": cfg.rank * tokens,
-                           "num_adapters": 1, "rank_sum": cfg.rank, "seconds": step_s, "peak_memory_bytes": None})
-    if peft_processes:
-        peft_trial_s = statistics.mean(peft_outside)
-    else:
+            peft_runs["probes"].append(time_peft(model, cfg, rows, seq, 3, 8))
+    peft_trial_s = None  # from the cold probes
+    if not peft_processes:
         with tempfile.TemporaryDirectory() as out_dir:
             t0 = time.perf_counter()
             for cfg in finishing:
@@ -355,7 +382,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=Fals
                 peft_model.unload()
             torch.cuda.synchronize()
             peft_trial_s = (time.perf_counter() - t0) / len(finishing)
-    peft_cm = calibrate(base_cm, peft_stats, trial_seconds=peft_trial_s)
+    peft_cm, peft_stats = peft_cost_model(base_cm, peft_runs["probes"], peft_trial_s)
 
     predicted = {
         "packed_120": plan(PRESETS[model_name], configs, num_gpus=1, cost_model=packed_cm).makespan,
@@ -386,8 +413,9 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=Fals
     with tempfile.TemporaryDirectory() as out_dir:
         for cfg in subset:  # and each PEFT run saves its adapter, as a user's would
             if peft_processes:
-                peft_trials.append(peft_in_process_of_its_own(model_name, cfg, seq, 3,
-                                                              os.path.join(out_dir, cfg.trial_id))["trial_s"])
+                peft_runs["trials"].append(peft_in_process_of_its_own(model_name, cfg, seq, 3,
+                                                                      os.path.join(out_dir, cfg.trial_id)))
+                peft_trials.append(peft_runs["trials"][-1]["trial_s"])
                 continue
             peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
             train_alone_with_peft(peft_model, cfg, samples, pad_id, device="cuda")
@@ -398,7 +426,8 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=Fals
     del model
     torch.cuda.empty_cache()
     result = {"model": model_name, "seq": seq, "steps": steps, "peft_processes": peft_processes,
-              "peft_trial_s": peft_trials or None, "predicted": predicted,
+              "mean_sample_tokens": base_cm.mean_sample_tokens, "peft_trial_s": peft_trials or None,
+              "predicted": predicted,
               "measured": {"packed_16": measured_packed, "peft_16": measured_peft},
               "packed_16_breakdown": {"construct_s": construct_s,
                                       "steps_s": sum(st["seconds"] for st in measured_steps),
@@ -411,10 +440,42 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=Fals
               "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs],
               "calibration": {"packed": packed_cm.calibration.describe(), "peft": peft_cm.calibration.describe()},
               # the steps behind the fits and the measured run, so a cost model can be refitted offline
-              "probe_steps": {"packed": stats, "peft": peft_stats}, "measured_steps": measured_steps}
+              "probe_steps": {"packed": stats, "peft": peft_stats}, "measured_steps": measured_steps,
+              "peft_process_runs": peft_runs if peft_processes else None}
     log(f"16 configs: packed {measured_packed:.1f} s (predicted {predicted['packed_16']:.1f}), "
         f"PEFT {measured_peft:.1f} s (predicted {predicted['peft_16']:.1f}), ratio {result['ratio']['measured_16']:.2f}x")
     return result
+
+
+def refit(path: str) -> dict:
+    """PEFT's predicted 16-config time in a saved makespan run, fitted again from the run's own
+    cold probes by `peft_cost_model` as it is now, against the time the run measured: how a
+    change to the fit does on runs already made, without a GPU."""
+    from lora_sweep.costmodel import CostModel, gpu_profile
+
+    with open(path) as f:
+        result = json.load(f)
+    run = result["makespan"]
+    if not run.get("peft_process_runs"):
+        raise SystemExit(f"{path} has no cold PEFT probes to refit (it ran with --peft-in-process).")
+    mean_tokens = run.get("mean_sample_tokens")
+    if mean_tokens is None:  # runs before it was recorded: the same rows, tokenised as the engine does
+        from transformers import AutoModelForCausalLM
+
+        samples, _ = tokenized(AutoModelForCausalLM.from_pretrained(tiny_model_path()),
+                               synthetic_rows(512, run["seq"], seed=3), run["seq"], device="cpu")
+        mean_tokens = statistics.mean(len(s) for s in samples)
+    base_cm = CostModel.from_model(PRESETS[run["model"]], gpu=gpu_profile(result["gpu"]), max_seq_len=run["seq"],
+                                   dtype="bfloat16", mean_sample_tokens=mean_tokens)
+    peft_cm, _ = peft_cost_model(base_cm, run["peft_process_runs"]["probes"])
+    configs = table1_configs(120, run["steps"])
+    predicted_16 = sum(peft_cm.job_seconds([c]) for c in configs[:16])
+    predicted_120 = sum(peft_cm.job_seconds([c]) for c in configs)
+    return {"file": os.path.basename(path), "steps": run["steps"], "measured_peft_16": run["measured"]["peft_16"],
+            "recorded_error": run["prediction_error"]["peft_16"], "refit_peft_16": predicted_16,
+            "refit_error": predicted_16 / run["measured"]["peft_16"] - 1,
+            "packed_error": run["prediction_error"]["packed_16"], "ratio": run["ratio"]["measured_16"],
+            "refit_ratio_120": predicted_120 / run["predicted"]["packed_120"]}
 
 
 def overhead(model_name, seq, steps, log) -> dict:
@@ -528,11 +589,20 @@ def main():
     parser.add_argument("--profile", default="", help="model,seq,adapters,batch of a packed step to profile")
     parser.add_argument("--sweep-steps", type=int, default=30, help="steps of every config in makespan/overhead")
     parser.add_argument("--microbatch-tokens", type=int, default=64 * 1024)
-    parser.add_argument("--peft-processes", action="store_true",
-                        help="makespan: run every PEFT trial in a process of its own (cold, as separate fine-tunes)")
+    parser.add_argument("--peft-in-process", action="store_true",
+                        help="makespan: run the PEFT trials one after another in this process (warm), not each "
+                             "in a process of its own (cold, as separate fine-tunes)")
     parser.add_argument("--plot-only", help="redraw the plot of a saved results JSON and exit")
     parser.add_argument("--merge", nargs="+", help="merge the results JSONs of several runs into --out and exit")
+    parser.add_argument("--refit", nargs="+", help="refit PEFT's prediction in saved makespan runs and exit (CPU)")
     args = parser.parse_args()
+    if args.refit:
+        rows = [refit(p) for p in args.refit]
+        print(f"{'file':40} steps  PEFT measured  recorded  refit   packed  ratio  120 predicted")
+        for r in rows:
+            print(f"{r['file']:40} {r['steps']:5}  {r['measured_peft_16']:11.1f} s  {r['recorded_error']:+7.1%}  "
+                  f"{r['refit_error']:+6.1%}  {r['packed_error']:+6.1%}  {r['ratio']:4.1f}x  {r['refit_ratio_120']:5.1f}x")
+        return
     if args.plot_only:
         with open(args.plot_only) as f:
             plot(json.load(f), os.path.splitext(args.plot_only)[0] + ".png")
@@ -575,7 +645,7 @@ def main():
         save()
     if "makespan" in sections:
         result["makespan"] = makespan(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log,
-                                      args.microbatch_tokens, args.peft_processes)
+                                      args.microbatch_tokens, not args.peft_in_process)
         save()
     if "overhead" in sections:
         result["overhead"] = overhead(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log)

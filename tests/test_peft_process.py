@@ -59,3 +59,18 @@ def test_peft_cost_model_fits_the_steps_and_leaves_out_host_stalls():
 
     cm_given, _ = peft_cost_model(base, runs, trial_s=3.0)  # in-process runs measure it apart
     assert cm_given.calibration.trial_seconds == 3.0
+
+
+def test_refit_of_the_committed_cold_runs_predicts_within_15_percent():
+    """`sweep_gpu --refit` applies the fit above to saved H200 runs, as the README reports."""
+    import glob
+
+    from benchmarks.sweep_gpu import refit
+
+    paths = sorted(glob.glob(os.path.join(REPO, "benchmarks", "results", "sweep_gpu_*_makespan*_cold*.json")))
+    assert paths
+    for path in paths:
+        row = refit(path)
+        with open(path) as f:
+            assert row["measured_peft_16"] == json.load(f)["makespan"]["measured"]["peft_16"]
+        assert abs(row["refit_error"]) < 0.15, row

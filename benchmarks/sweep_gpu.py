@@ -409,19 +409,18 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     torch.cuda.synchronize()
     measured_packed = time.perf_counter() - t0
     t0 = time.perf_counter()
-    peft_trials = []
     with tempfile.TemporaryDirectory() as out_dir:
         for cfg in subset:  # and each PEFT run saves its adapter, as a user's would
             if peft_processes:
                 peft_runs["trials"].append(peft_in_process_of_its_own(model_name, cfg, seq, 3,
                                                                       os.path.join(out_dir, cfg.trial_id)))
-                peft_trials.append(peft_runs["trials"][-1]["trial_s"])
-                continue
-            peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
-            train_alone_with_peft(peft_model, cfg, samples, pad_id, device="cuda")
-            peft_model.save_pretrained(os.path.join(out_dir, cfg.trial_id))
-            peft_model.unload()
+            else:
+                peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
+                train_alone_with_peft(peft_model, cfg, samples, pad_id, device="cuda")
+                peft_model.save_pretrained(os.path.join(out_dir, cfg.trial_id))
+                peft_model.unload()
         torch.cuda.synchronize()
+        peft_trials = [r["trial_s"] for r in peft_runs["trials"]]  # cold: each process's own time, not its start-up
         measured_peft = sum(peft_trials) if peft_processes else time.perf_counter() - t0
     del model
     torch.cuda.empty_cache()

@@ -338,32 +338,36 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
                                    mean_sample_tokens=statistics.mean(len(s) for s in samples))
 
     # calibrate the packed engine from profiled steps of varied jobs (PLoRA profiles 10): pack
-    # sizes from 1 to 10, and ranks and batch sizes that do not grow together, so the fit can
-    # tell per-step, per-adapter, token and rank costs apart; the last two jobs step as many
-    # tokens as a full pack of Table-1 configs, where the token cost dominates
+    # sizes from 1 to 16, and ranks and batch sizes that do not grow together, so the fit can
+    # tell per-step, per-adapter, token and rank costs apart. The last three jobs step as many
+    # tokens as a full pack of Table-1 configs, where the token cost dominates; two of them
+    # with 5 and 16 adapters, so the per-adapter cost is not left to extrapolation (without
+    # the job of sixteen, steps of sixteen adapters came out 3-19% short).
     probe = probe_configs()
+    sixteen = [dataclasses.replace(probe[i % 8], trial_id=f"s{i}") for i in range(16)]
     stats = []
-    for members in ([0], [5], [4], [0, 1, 2], [3, 6, 7], [5, 6], [0, 1, 2, 3, 4, 5], list(range(8)), [8, 9],
-                    [4, 5, 7, 8, 9]):
-        job = ls.PackedJob(spec, [probe[i] for i in members], progress=False)
+    for trials in ([probe[i] for i in members] for members in (
+            [0], [5], [4], [0, 1, 2], [3, 6, 7], [5, 6], [0, 1, 2, 3, 4, 5], list(range(8)), [8, 9], [4, 5, 7, 8, 9])):
+        job = ls.PackedJob(spec, trials, progress=False)
         stats += profile_job(job, steps=3, warmup=2)
         del job
         strip_adapters(model)
-    # a trial's time outside steps (joining, saving its adapter): a job of four run to completion
-    finishing = [dataclasses.replace(probe[i], max_steps=3, trial_id=f"f{i}") for i in (0, 1, 3, 4)]
+    # the job of sixteen is then run to completion for a trial's time outside steps (joining,
+    # saving its adapter, the job's own start and end shared among its trials, as in the plan's jobs)
     with tempfile.TemporaryDirectory() as out_dir:
+        finishing = [dataclasses.replace(t, max_steps=5) for t in sixteen]
         t0 = time.perf_counter()
         job = ls.PackedJob(dataclasses.replace(spec, output_dir=out_dir), finishing, progress=False)
         for _ in job.run():
             pass
         torch.cuda.synchronize()
+        stats += job.step_stats[2:]
         packed_trial_s = (time.perf_counter() - t0 - sum(st["seconds"] for st in job.step_stats)) / len(finishing)
         del job
         strip_adapters(model)
     packed_cm = calibrate(base_cm, stats, trial_seconds=packed_trial_s)
 
-    # calibrate one-trial-at-a-time PEFT from its own steps, and its time outside them (wrapping
-    # the model, saving the adapter, unwrapping)
+    # calibrate one-trial-at-a-time PEFT from its own steps, and its time outside them
     peft_runs = {"probes": [], "trials": []}
     for cfg in probe[:4]:
         if peft_processes:  # cold: 11 steps
@@ -373,15 +377,15 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
         else:
             peft_runs["probes"].append(time_peft(model, cfg, rows, seq, 3, 8))
     peft_trial_s = None  # from the cold probes
-    if not peft_processes:
+    if not peft_processes:  # wrapping the model, saving the adapter, unwrapping
         with tempfile.TemporaryDirectory() as out_dir:
             t0 = time.perf_counter()
-            for cfg in finishing:
+            for cfg in probe[:4]:
                 peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
                 peft_model.save_pretrained(os.path.join(out_dir, cfg.trial_id))
                 peft_model.unload()
             torch.cuda.synchronize()
-            peft_trial_s = (time.perf_counter() - t0) / len(finishing)
+            peft_trial_s = (time.perf_counter() - t0) / 4
     peft_cm, peft_stats = peft_cost_model(base_cm, peft_runs["probes"], peft_trial_s)
 
     predicted = {

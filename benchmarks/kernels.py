@@ -331,7 +331,8 @@ def section_lora(res, device):
         def ours():
             meta = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
                                        p["seed"], in_f, out_f, x.device, cfg)  # per call, as in training
-            a_pack, bt_pack = pack_adapters(*cat_adapters(p["lora_a"], p["lora_b"], meta.ranks), meta.ranks, x.dtype)
+            a_pack, bt_pack = pack_adapters(cat_adapters(p["lora_a"], p["lora_b"], meta.ranks)[0], p["lora_b"], meta.ranks,
+                                           x.dtype)
             s = torch.empty(tokens, meta.rank_stride, device=device, dtype=x.dtype)
             mask = empty_mask_nibbles(tokens, in_f, device)
             lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask)

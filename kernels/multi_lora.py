@@ -67,29 +67,27 @@ def cat_adapters(lora_a, lora_b, ranks):
     return torch.cat([lora_a[i] for i in used]), torch.cat([lora_b[i].reshape(-1) for i in used])
 
 
-def pack_adapters(a_cat, b_flat, ranks, dtype):
-    """The concatenated adapters as the kernels read them, in the compute dtype: A [R_total, in]
-    and B^T [R_total, out], both row-major."""
+@torch.no_grad()
+def pack_adapters(a_cat, lora_b, ranks, dtype):
+    """The adapters with rows as the kernels read them, in the compute dtype: A [R_total, in]
+    (`a_cat`, from `cat_adapters`) and B^T [R_total, out], both row-major. B^T is the B_i
+    side by side, transposed once: a few ops whatever the number of adapters, not a
+    transpose per adapter (host time: the packing runs in every call)."""
     a_pack = a_cat.detach().to(dtype)
-    ranks = [r for r in ranks if r]
-    out = b_flat.shape[0] // a_cat.shape[0]
-    blocks = b_flat.detach().split([out * r for r in ranks])
-    bt_pack = torch.cat([blk.view(out, r).t() for blk, r in zip(blocks, ranks)]).to(dtype)
+    b_side_by_side = torch.cat([b for b, r in zip(lora_b, ranks) if r], dim=1)  # [out, R_total]
+    bt_pack = a_pack.new_empty(b_side_by_side.shape[::-1]).copy_(b_side_by_side.t())  # cast and transpose: one copy
     return a_pack, bt_pack
 
 
 class _TritonMultiLoRALinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, meta: LoRABatchMeta, a_cat, b_flat):
-        # a_cat [R_total, in], b_flat [out * R_total]: the adapters with rows (`cat_adapters`)
+    def forward(ctx, x, weight, bias, meta: LoRABatchMeta, a_cat, b_flat, a_pack, bt_pack):
+        # a_cat [R_total, in], b_flat [out * R_total]: the adapters with rows (`cat_adapters`),
+        # the autograd edges; a_pack, bt_pack: the same in x's dtype, as the kernels read them
         from .lora_gemm import lora_gemm
         from .shrink import lora_shrink
 
         x = x.contiguous()
-        if a_cat is None:  # no LoRA rows at all: the kernels have nothing to read
-            a_pack, bt_pack = x.new_empty(0, x.shape[1]), x.new_empty(0, weight.shape[0])
-        else:
-            a_pack, bt_pack = pack_adapters(a_cat, b_flat, meta.ranks, x.dtype)
         s = torch.empty(x.shape[0], meta.rank_stride, device=x.device, dtype=x.dtype)  # (tokens, rank)
         mask_nibbles = empty_mask_nibbles(x.shape[0] if meta.has_dropout else 0, x.shape[1], x.device)
         lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask_nibbles)
@@ -133,7 +131,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
                 dx = dy @ weight
                 lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=False,
                           mask_nibbles=mask_nibbles)
-        return dx, None, None, None, da, db
+        return dx, None, None, None, da, db, None, None
 
 
 def triton_multi_lora_linear(
@@ -160,4 +158,8 @@ def triton_multi_lora_linear(
     meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, scales, dropout_p, seeds,
                                weight.shape[1], weight.shape[0], x.device, config)
     a_cat, b_flat = cat_adapters(lora_a, lora_b, meta.ranks)
-    return _TritonMultiLoRALinear.apply(x, weight, bias, meta, a_cat, b_flat)
+    if a_cat is None:  # no LoRA rows at all: the kernels have nothing to read
+        a_pack, bt_pack = x.new_empty(0, x.shape[1]), x.new_empty(0, weight.shape[0])
+    else:
+        a_pack, bt_pack = pack_adapters(a_cat, lora_b, meta.ranks, x.dtype)
+    return _TritonMultiLoRALinear.apply(x, weight, bias, meta, a_cat, b_flat, a_pack, bt_pack)

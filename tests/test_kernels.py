@@ -242,7 +242,7 @@ def test_each_kernel_matches_its_reference(config):
     ranks = [0 if a is None else a.shape[0] for a in lora_a]
     rows_with_lora = torch.cat([torch.full((n,), r > 0) for n, r in zip(seg_lens, ranks)])
     a_cat, b_cat = cat_adapters(lora_a, lora_b, meta.ranks)
-    a_pack, bt_pack = pack_adapters(a_cat, b_cat, meta.ranks, x.dtype)
+    a_pack, bt_pack = pack_adapters(a_cat, lora_b, meta.ranks, x.dtype)
     assert a_pack.shape == (meta.r_total, x.shape[1]) and bt_pack.shape == (meta.r_total, weight.shape[0])
 
     s = torch.zeros(x.shape[0], meta.rank_stride)

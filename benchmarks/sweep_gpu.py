@@ -339,10 +339,10 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
 
     # calibrate the packed engine from profiled steps of varied jobs (PLoRA profiles 10): pack
     # sizes from 1 to 16, and ranks and batch sizes that do not grow together, so the fit can
-    # tell per-step, per-adapter, token and rank costs apart. The last three jobs step as many
-    # tokens as a full pack of Table-1 configs, where the token cost dominates; two of them
-    # with 5 and 16 adapters, so the per-adapter cost is not left to extrapolation (without
-    # the job of sixteen, steps of sixteen adapters came out 3-19% short).
+    # tell per-step, per-adapter, token and rank costs apart. The last jobs step about as many
+    # tokens as a full pack of Table-1 configs, where the token cost dominates; two of them,
+    # with 5 and 16 adapters at about the same tokens, pin the per-adapter cost (without the
+    # job of sixteen, steps of sixteen adapters came out 3-19% short).
     probe = probe_configs()
     sixteen = [dataclasses.replace(probe[i % 8], trial_id=f"s{i}") for i in range(16)]
     stats = []

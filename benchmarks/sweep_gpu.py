@@ -287,8 +287,8 @@ def table1_configs(n: int, steps: int, seed: int = 0) -> list[ls.TrialConfig]:
 
 
 def probe_configs() -> list[ls.TrialConfig]:
-    """The configs whose steps calibrate the cost models: the packed engine's ten jobs mix them,
-    PEFT runs the first four alone."""
+    """The configs whose steps calibrate the cost models: the packed engine's probe jobs mix
+    them, PEFT runs the first four alone."""
     return [ls.TrialConfig(rank=r, alpha=2 * r, batch_size=b, max_steps=10**6, trial_id=f"p{i}")
             for i, (r, b) in enumerate([(8, 1), (16, 4), (32, 8), (64, 2), (128, 16), (16, 32), (128, 1), (8, 16),
                                         (32, 64), (64, 48)])]
@@ -344,18 +344,17 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     # with 5 and 16 adapters at about the same tokens, pin the per-adapter cost (without the
     # job of sixteen, steps of sixteen adapters came out 3-19% short).
     probe = probe_configs()
-    sixteen = [dataclasses.replace(probe[i % 8], trial_id=f"s{i}") for i in range(16)]
     stats = []
-    for trials in ([probe[i] for i in members] for members in (
-            [0], [5], [4], [0, 1, 2], [3, 6, 7], [5, 6], [0, 1, 2, 3, 4, 5], list(range(8)), [8, 9], [4, 5, 7, 8, 9])):
-        job = ls.PackedJob(spec, trials, progress=False)
+    for members in ([0], [5], [4], [0, 1, 2], [3, 6, 7], [5, 6], [0, 1, 2, 3, 4, 5], list(range(8)), [8, 9],
+                    [4, 5, 7, 8, 9]):
+        job = ls.PackedJob(spec, [probe[i] for i in members], progress=False)
         stats += profile_job(job, steps=3, warmup=2)
         del job
         strip_adapters(model)
-    # the job of sixteen is then run to completion for a trial's time outside steps (joining,
+    # the job of sixteen, run to completion, also gives a trial's time outside steps (joining,
     # saving its adapter, the job's own start and end shared among its trials, as in the plan's jobs)
+    finishing = [dataclasses.replace(probe[i % 8], max_steps=5, trial_id=f"s{i}") for i in range(16)]
     with tempfile.TemporaryDirectory() as out_dir:
-        finishing = [dataclasses.replace(t, max_steps=5) for t in sixteen]
         t0 = time.perf_counter()
         job = ls.PackedJob(dataclasses.replace(spec, output_dir=out_dir), finishing, progress=False)
         for _ in job.run():
@@ -368,8 +367,9 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     packed_cm = calibrate(base_cm, stats, trial_seconds=packed_trial_s)
 
     # calibrate one-trial-at-a-time PEFT from its own steps, and its time outside them
+    peft_probes = probe[:4]
     peft_runs = {"probes": [], "trials": []}
-    for cfg in probe[:4]:
+    for cfg in peft_probes:
         if peft_processes:  # cold: 11 steps
             with tempfile.TemporaryDirectory() as out_dir:
                 peft_runs["probes"].append(peft_in_process_of_its_own(
@@ -380,12 +380,12 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     if not peft_processes:  # wrapping the model, saving the adapter, unwrapping
         with tempfile.TemporaryDirectory() as out_dir:
             t0 = time.perf_counter()
-            for cfg in probe[:4]:
+            for cfg in peft_probes:
                 peft_model = peft_model_for(model, cfg, PROJECTIONS, device="cuda")
                 peft_model.save_pretrained(os.path.join(out_dir, cfg.trial_id))
                 peft_model.unload()
             torch.cuda.synchronize()
-            peft_trial_s = (time.perf_counter() - t0) / 4
+            peft_trial_s = (time.perf_counter() - t0) / len(peft_probes)
     peft_cm, peft_stats = peft_cost_model(base_cm, peft_runs["probes"], peft_trial_s)
 
     predicted = {

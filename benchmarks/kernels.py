@@ -1,6 +1,6 @@
 """GPU check and benchmark of the fused multi-LoRA kernels (run on the device machine).
 
-    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,main,lora,tune]
+    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,profile,tune]
 
 Sections:
   check  bf16 correctness vs a float64 reference on fresh random inputs (never zeros), over a
@@ -13,8 +13,12 @@ Sections:
   main   forward+backward median times (triton.testing.do_bench, return_mode="median"),
          bf16, all methods side by side in one process: frozen base linear alone (floor),
          the fused kernels (dropout 0 and 0.05), the torch segmented reference (one base GEMM),
-         a PEFT-style loop of separate LoRA linears, torch grouped_mm for the LoRA matmuls.
+         a PEFT-style loop of separate LoRA linears, torch grouped_mm for the LoRA matmuls;
+         also the fused kernels on the base path the default did not choose for the layout.
   lora   32 adapters x 1024 tokens: the LoRA part alone vs the same LoRA matmuls adapter by adapter.
+  gemm   one base GEMM with its LoRA term, Y and dX apart: cuBLAS alone, the TMA kernel as a plain
+         GEMM, the TMA kernel with the LoRA term, cuBLAS + the in-place LoRA add.
+  profile  where one fused fwd+bwd spends its time: per-kernel GPU time, host enqueue time.
   tune   block-size / base-path variants of the fused path on a subset of shapes (offline tuning).
 
 Results go to one JSON file (written after every section, so a timeout keeps what was done);
@@ -208,6 +212,7 @@ def section_check(res, device):
         dict(in_f=4096, out_f=4096, seg_lens=[1024] * 16, ranks=[rng.choice([8, 16, 32, 64, 128]) for _ in range(16)],
              dropout=0.05),
         dict(in_f=2048, out_f=512, seg_lens=[5000, 3], ranks=[32, 200], dropout=0.3),
+        dict(in_f=999, out_f=745, seg_lens=[700, 300], ranks=[16, 64], dropout=0.1),  # TMA cannot: in-place add
     ]
     for k in range(4):  # plus random shapes
         n = rng.randint(1, 12)
@@ -225,8 +230,7 @@ def section_check(res, device):
             p = make_pack(c["in_f"], c["out_f"], None, len(c["seg_lens"]), c["ranks"], c["dropout"], device,
                           seed=100 + ci, seg_lens=c["seg_lens"], none_every=c.get("none_every", 0))
             max_rank = max([a.shape[0] for a in p["lora_a"] if a is not None], default=0)
-            cfg = meta_mod.config_for(max_rank, not DRY)
-            cfg = dataclasses.replace(cfg, fused_base=fused_base)
+            cfg = meta_mod.config_for(max_rank, not DRY, fused_base)
             # poison: freed blocks the kernels' outputs will reuse hold NaN
             junk = torch.full((sum(c["seg_lens"]) * max(c["in_f"], c["out_f"]) * 4,), float("nan"), device=device,
                               dtype=torch.bfloat16)
@@ -297,12 +301,21 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     except Exception as e:  # a baseline this torch cannot run is recorded, not fatal
                         row[name] = None
                         row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
+                # the base path the default did not choose (TMA-fused GEMM or cuBLAS + in-place add)
+                row["fused_base"] = meta_mod.fuse_base_for(p["seg_lens"])
+                alt = meta_mod.config_for(max(ranks), not DRY, not row["fused_base"])
+                row["fused_alt"] = bench_fwd_bwd(lambda q: m_fused(q, alt), p)
+                if row["fused_base"]:  # fused Y, dX by cuBLAS + the in-place add
+                    y_only = dataclasses.replace(meta_mod.config_for(max(ranks), not DRY, True), fuse_dx=False)
+                    row["fused_y_only"] = bench_fwd_bwd(lambda q: m_fused(q, y_only), p)
                 pd = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
                 row["fused_dropout"] = bench_fwd_bwd(m_fused, pd)
                 del p, pd
                 rows.append(row)
                 print(f"main {in_f}->{out_f} tok={tokens} n={n} r={kind}: base {row['base']:.3f} fused {row['fused']:.3f} "
-                      f"(p=.05 {row['fused_dropout']:.3f}) segref {row['segref']:.3f} peft {row['peft_loop'] or 0:.3f} "
+                      f"({'tma' if row['fused_base'] else 'add'}; other path {row['fused_alt']:.3f}; "
+                      f"fused Y only {row.get('fused_y_only', 0):.3f}; "
+                      f"p=.05 {row['fused_dropout']:.3f}) segref {row['segref']:.3f} peft {row['peft_loop'] or 0:.3f} "
                       f"grouped {row['grouped_mm'] or 0:.3f} ms", flush=True)
 
 
@@ -325,8 +338,7 @@ def section_lora(res, device):
         y = torch.randn(tokens, out_f, device=device, dtype=x.dtype)
         dy = torch.randn_like(y)
         dx = torch.randn_like(x)
-        cfg = dataclasses.replace(meta_mod.config_for(max(ranks), not DRY),
-                                  fused_base=False)
+        cfg = meta_mod.config_for(max(ranks), not DRY, False)  # the LoRA term apart from the base GEMMs
 
         def ours():
             meta = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
@@ -363,6 +375,53 @@ def section_lora(res, device):
     res["lora_only"] = out_rows
 
 
+def section_gemm(res, device):
+    """One base GEMM with its LoRA term, forward (Y) and backward (dX) apart: cuBLAS alone (the
+    floor), the TMA kernel as a plain GEMM (no adapter), the TMA kernel with the LoRA term of 4
+    adapters r16 in its accumulator (dropout 0.05 in dX), and cuBLAS plus the in-place LoRA add."""
+    from lora_sweep.kernels.lora_gemm import lora_gemm
+    from lora_sweep.kernels.metadata import LoRABatchMeta
+
+    out_rows = []
+    for tokens in TOKENS[::-1]:
+        for in_f, out_f in SHAPES:
+            for forward in (True, False):
+                n_dim, k_dim = (out_f, in_f) if forward else (in_f, out_f)
+                g = torch.Generator(device="cpu").manual_seed(tokens + n_dim)
+                dtype = torch.float32 if DRY else torch.bfloat16
+                a = torch.randn(tokens, k_dim, generator=g).to(device, dtype)
+                w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(k_dim)).to(device, dtype)
+                cublas = (lambda: a @ w.t()) if forward else (lambda: a @ w)
+                row = dict(tokens=tokens, in_f=in_f, out_f=out_f, direction="Y" if forward else "dX",
+                           cublas_ms=do_bench(cublas))
+                seg_lens = [tokens // 4] * 4
+                for name, rank, fused in (("tma_gemm_only", 0, True), ("tma_with_lora", 16, True),
+                                          ("cublas_plus_add", 16, False)):
+                    lora_a = [torch.randn(rank, in_f, device=device) if rank else None for _ in seg_lens]
+                    lora_b = [torch.randn(out_f, rank, device=device) if rank else None for _ in seg_lens]
+                    cfg = meta_mod.config_for(16, not DRY, fused)
+                    meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, [2.0] * 4, [0.05] * 4, [1, 2, 3, 4],
+                                               in_f, out_f, device, cfg)
+                    s = torch.randn(tokens, meta.rank_stride, generator=g).to(device, dtype)
+                    pack = torch.randn(max(meta.r_total, 1), n_dim, generator=g).to(device, dtype)
+                    mask = torch.randint(0, 16, (tokens, -(-n_dim // 4)), generator=g, dtype=torch.uint8).to(device)
+                    out = torch.empty(tokens, n_dim, device=device, dtype=dtype)
+
+                    def run():
+                        o = out if fused else cublas()
+                        lora_gemm(a, w, None, s, pack, o, meta, forward=forward, fused_base=fused, mask_nibbles=mask)
+
+                    if rank == 0:  # as a plain GEMM it must agree with cuBLAS
+                        run()
+                        row["tma_gemm_only_rel_err"] = rel_err(out, cublas())
+                    row[name + "_ms"] = do_bench(run)
+                out_rows.append(row)
+                print(f"gemm {tokens} {in_f}->{out_f} {row['direction']:>2}: cuBLAS {row['cublas_ms']:.3f}, TMA GEMM "
+                      f"{row['tma_gemm_only_ms']:.3f}, TMA GEMM + LoRA {row['tma_with_lora_ms']:.3f}, cuBLAS + add "
+                      f"{row['cublas_plus_add_ms']:.3f} ms", flush=True)
+    res["gemm"] = out_rows
+
+
 def section_profile(res, device):
     """Where one fused fwd+bwd spends its time: per-kernel CUDA time (torch.profiler) and the
     host time to enqueue it (if that exceeds the GPU time, the op is host-bound)."""
@@ -370,6 +429,7 @@ def section_profile(res, device):
 
     out = []
     for in_f, out_f, tokens, n, kind in ((4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"),
+                                         (4096, 14336, 16384, 4, "16"), (3584, 18944, 16384, 32, "mixed"),
                                          (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16")):
         if DRY:
             in_f, out_f, tokens = 64, 48, 64
@@ -392,26 +452,24 @@ def section_profile(res, device):
             step()
         host_ms = (time.perf_counter() - t) * 100  # per call, enqueue only (no sync inside)
         torch.cuda.synchronize() if not DRY else None
-        with profile(activities=[ProfilerActivity.CPU] + ([] if DRY else [ProfilerActivity.CUDA])) as prof:
-            for _ in range(5):
-                step()
-            for _ in range(5):
-                step(m_base)
-            torch.cuda.synchronize() if not DRY else None
-        kernels = []
-        for e in prof.key_averages():
-            dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            if dev_us and e.key and not e.key.startswith(("aten::", "autograd", "cuda", "Optimizer", "_Triton")) \
-                    and "Backward" not in e.key:  # autograd nodes (AddmmBackward0) re-count their kernels
-                kernels.append((dev_us / 5 / 1e3, e.count / 5, e.key[:60]))
-        kernels.sort(reverse=True)
-        # the base's two cuBLAS GEMMs ran 5 times in the fused steps and 5 in the base steps
-        gemm_ms = sum(k[0] for k in kernels if not k[2].startswith("_")  # Triton kernels are ours
-                      and ("gemm" in k[2].lower() or "nvjet" in k[2].lower()))
-        total = sum(k[0] for k in kernels)
+        def kernel_times(fn):  # [(ms per call, calls per call, name)] of 5 calls, largest first
+            with profile(activities=[ProfilerActivity.CPU] + ([] if DRY else [ProfilerActivity.CUDA])) as prof:
+                for _ in range(5):
+                    step(fn)
+                torch.cuda.synchronize() if not DRY else None
+            out = []
+            for e in prof.key_averages():
+                dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                if dev_us and e.key and not e.key.startswith(("aten::", "autograd", "cuda", "Optimizer", "_Triton")) \
+                        and "Backward" not in e.key:  # autograd nodes (AddmmBackward0) re-count their kernels
+                    out.append((dev_us / 5 / 1e3, e.count / 5, e.key[:60]))
+            return sorted(out, reverse=True)
+
+        kernels = kernel_times(m_fused)
         row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, host_enqueue_ms=host_ms,
                    kernels=[dict(ms=k[0], calls=k[1], name=k[2]) for k in kernels[:14]],
-                   gpu_kernel_ms=total - gemm_ms / 2, base_gpu_kernel_ms=gemm_ms / 2)
+                   gpu_kernel_ms=sum(k[0] for k in kernels),
+                   base_gpu_kernel_ms=sum(k[0] for k in kernel_times(m_base)))
         out.append(row)
         print(f"profile {in_f}->{out_f} tok={tokens} n={n} r={kind}: host enqueue {host_ms:.3f} ms/call, "
               f"GPU kernels {row['gpu_kernel_ms']:.3f} ms/call (base GEMMs {row['base_gpu_kernel_ms']:.3f})", flush=True)
@@ -420,7 +478,7 @@ def section_profile(res, device):
     res["profile"] = out
 
 
-TUNE_GEMMS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 128, 64, 4, 4)]
+TUNE_GEMMS = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
 if DRY:
     TUNE_GEMMS = [(16, 32, 32, 4, 1), (32, 32, 32, 4, 1)]
 
@@ -434,7 +492,7 @@ def section_tune(res, device, deadline):
                     continue
                 ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
                 p = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
-                base_cfg = meta_mod.config_for(max(ranks), not DRY)
+                base_cfg = meta_mod.config_for(max(ranks), not DRY, True)
                 row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, base=bench_fwd_bwd(m_base, p))
                 for bm, bn, bk, warps, stages in TUNE_GEMMS:
                     for fused_base in (True, False):
@@ -442,6 +500,7 @@ def section_tune(res, device, deadline):
                             continue  # the in-place LoRA add hardly depends on the GEMM blocks
                         cfg = dataclasses.replace(base_cfg, block_m=bm, gemm_block_n=bn, gemm_block_k=bk,
                                                   gemm_warps=warps, gemm_stages=stages, fused_base=fused_base,
+                                                  add_block_n=bn, add_warps=warps,
                                                   chunk_rows=max(bm, base_cfg.chunk_rows // bm * bm))
                         key = f"{'fused' if fused_base else 'cublas'}_{bm}x{bn}x{bk}_w{warps}s{stages}"
                         try:
@@ -477,6 +536,10 @@ def summarize(res):
         dr = sorted(r["fused_dropout"] / r["fused"] for r in main if r.get("fused_dropout"))
         if dr:
             s["dropout_cost"] = dict(median=dr[len(dr) // 2], max=dr[-1])
+    if res.get("profile"):  # GPU time alone, whatever the host's enqueue time
+        s["profile_gpu_fused_over_base"] = {
+            f"{r['in_f']}->{r['out_f']} tok={r['tokens']} n={r['adapters']} r={r['rank']}":
+                r["gpu_kernel_ms"] / r["base_gpu_kernel_ms"] for r in res["profile"] if r["base_gpu_kernel_ms"]}
     if res.get("lora_only"):
         s["lora_only_speedup_32x1024"] = {f"{r['in_f']}->{r['out_f']} r={r['rank']}": r["speedup"] for r in res["lora_only"]}
     if res.get("check"):
@@ -532,6 +595,8 @@ def main():
                 section_main(res, device, deadline)
             elif sec == "profile":
                 section_profile(res, device)
+            elif sec == "gemm":
+                section_gemm(res, device)
             elif sec == "lora":
                 section_lora(res, device)
             elif sec == "tune":

@@ -5,9 +5,12 @@ Backward: dX = dY @ W + keep_i / (1 - p_i) * (dS @ A_i)      (dS from the shrink
 
 The LoRA term is computed first into the fp32 accumulator (the backward applies the dropout
 mask there, read from the nibbles the forward shrink stored), then the base GEMM
-accumulates on top, so the output is written once (LoRAFusion's fused expand). With
-`FUSED_BASE=False` the base product is already in `out` (cuBLAS) and the kernel adds the
-LoRA term in place: one extra read and write of `out`, chosen per shape where cuBLAS wins.
+accumulates on top, so the output is written once (LoRAFusion's fused expand). The base
+operands arrive through TMA descriptors (Hopper's bulk tensor copies, zero-filled past the
+edges): with them the GEMM runs at cuBLAS speed, which the pointer-based loads did not
+(~75%). With `FUSED_BASE=False` the base product is already in `out` (cuBLAS) and the kernel
+adds the LoRA term in place: one extra read and write of `out`, for shapes TMA cannot
+describe and for packs of short segments, whose 128-row tiles would be mostly padding.
 
 The LoRA MMAs run on the base operand's dtype (bf16 on GPU: S/dS are stored in it and the
 adapters are packed in it per call) with fp32 accumulation. The rank loop steps over the tile's
@@ -16,11 +19,13 @@ own adapter's rank, so small ranks are not padded to the pack's largest one.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._triton_common import load_adapter, load_keep_mask
 from .dropout import dropout_keep_mask
@@ -29,35 +34,27 @@ from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 
 @triton.jit
 def _lora_gemm_kernel(
-    # pointers
-    a_ptr,  # [M, K] left operand of the base GEMM: x (forward) or dY (backward)
-    w_ptr,  # base right operand, element (k, n) at k * stride_wk + n * stride_wn
+    a_desc,  # TMA descriptor of [M, K]: x (forward) or dY (backward), blocks [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor of W: [N, K] in blocks [BLOCK_N, BLOCK_K] (forward), [K, N] in [BLOCK_K, BLOCK_N] (backward)
     bias_ptr,  # [N], read only if HAS_BIAS
     s_ptr,  # [M, rank_stride] in a's dtype: S (forward) or dS (backward)
     lora_ptr,  # [R_total, N] packed adapters in a's dtype: B^T (forward) or A (backward); adapter i at row r_offset_i
-    out_ptr,  # [M, N]: written (FUSED_BASE) or updated in place
+    out_ptr,  # [M, N], written
     mask_ptr,  # uint8 [M, n_groups]: the forward's keep-mask nibbles (read if OUT_DROPOUT)
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
     seeds_ptr,  # int64 [n_adapters]: this layer's dropout seeds
-    # sizes
     N,
     K,
     n_tiles,
     n_groups,
-    # strides
-    stride_am,
-    stride_wk,
-    stride_wn,
+    n_programs,  # the grid's size: with fewer programs than (tile, n block) pairs, each loops over several
     stride_sm,
     stride_om,
-    # meta-parameters
-    APPLY_SCALE: tl.constexpr,  # multiply the LoRA term by scale_i (forward)
+    FORWARD: tl.constexpr,  # Y: scale_i, W read as [N, K]; else dX: W read as [K, N]
     OUT_DROPOUT: tl.constexpr,  # mask the LoRA term with the adapter's dropout mask (backward)
     HAS_BIAS: tl.constexpr,
-    FUSED_BASE: tl.constexpr,  # True: run the base GEMM here; False: add into the base product in `out`
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask in the main loop
     N_INT_COLS: tl.constexpr,
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per tile (= the tile table's)
@@ -65,38 +62,92 @@ def _lora_gemm_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,  # rank step of the LoRA term
     GROUP_M: tl.constexpr,  # tiles per L2 group (triton tutorial 03's grouped ordering)
+    K_STAGES: tl.constexpr,  # software-pipeline depth of the K loop
+    WARP_SPECIALIZE: tl.constexpr,  # split the K loop's warps into loaders and MMA issuers
 ):
-    # grouped ordering over (tile, n block), so neighbouring programs share W blocks in L2
-    pid = tl.program_id(0)
+    """The fused path: out = the tile's LoRA term + the base GEMM (+ bias), written once."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_tile = (pid // num_pid_in_group) * GROUP_M
-    group_size = min(n_tiles - first_tile, GROUP_M)
-    tile = first_tile + ((pid % num_pid_in_group) % group_size)
-    pid_n = (pid % num_pid_in_group) // group_size
+    for t in tl.range(tl.program_id(0), n_tiles * num_pid_n, n_programs):
+        tile, n0 = _grouped_tile(t, n_tiles, num_pid_n, GROUP_M, BLOCK_N)
+        acc, offs_m, offs_n, m_mask, n_mask, row_start, _ = _lora_term(
+            s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, n_groups,
+            stride_sm, FORWARD, OUT_DROPOUT, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
+        # the base product accumulates on top of it; rows past the tile's end (the next
+        # adapter's, or zeros past M) are computed and never stored
+        for ki in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=K_STAGES, warp_specialize=WARP_SPECIALIZE):
+            at = a_desc.load([row_start, ki * BLOCK_K])
+            if FORWARD:
+                acc = tl.dot(at, w_desc.load([n0, ki * BLOCK_K]).T, acc)
+            else:
+                acc = tl.dot(at, w_desc.load([ki * BLOCK_K, n0]), acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
+
+@triton.jit
+def _lora_add_kernel(
+    s_ptr, lora_ptr, out_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,  # as above
+    N,
+    n_tiles,
+    n_groups,
+    stride_sm,
+    stride_om,
+    FORWARD: tl.constexpr,
+    OUT_DROPOUT: tl.constexpr,
+    N_INT_COLS: tl.constexpr,
+    N_FLOAT_COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The in-place path: out (the cuBLAS base product) += the tile's LoRA term."""
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, tl.cdiv(N, BLOCK_N), GROUP_M, BLOCK_N)
+    acc, offs_m, offs_n, m_mask, n_mask, _, rank = _lora_term(
+        s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, n_groups,
+        stride_sm, FORWARD, OUT_DROPOUT, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
+    if rank > 0:  # a tile without LoRA has its result in `out` already
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _grouped_tile(t, n_tiles, num_pid_n, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(tile, first column) of the t-th (tile, n block) pair in grouped ordering, so that
+    neighbouring programs share W blocks in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_tile = (t // num_pid_in_group) * GROUP_M
+    group_size = min(n_tiles - first_tile, GROUP_M)
+    tile = first_tile + ((t % num_pid_in_group) % group_size)
+    return tile, ((t % num_pid_in_group) // group_size) * BLOCK_N
+
+
+@triton.jit
+def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N,
+               n_groups, stride_sm, FORWARD: tl.constexpr, OUT_DROPOUT: tl.constexpr, N_INT_COLS: tl.constexpr,
+               N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A tile's LoRA term in fp32: S_tile @ L_i[:, n block] over its adapter's own rank, times
+    scale_i (forward) or masked by the adapter's dropout (backward); zeros for an adapter
+    without LoRA. Also returns the tile's row/column offsets and masks, first row and rank."""
     adapter = tl.load(tiles_ptr + tile * 3).to(tl.int32)
     row_start = tl.load(tiles_ptr + tile * 3 + 1).to(tl.int32)
     row_end = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int32)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
-
-    if not FUSED_BASE:
-        if rank == 0:  # the base product in `out` is already this tile's result
-            return
-
     offs_m = row_start + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     m_mask = offs_m < row_end
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-    # the tile's LoRA term first: acc = S_tile @ L_i[:, n block] over the adapter's own rank
     if rank > 0:
         if OUT_DROPOUT:  # loaded before the accumulator is live: less register pressure
             keep = tl.full((BLOCK_M, BLOCK_N), 1, tl.int1)
             if threshold > 0:
-                keep = load_keep_mask(mask_ptr, offs_m.to(tl.int64), m_mask, pid_n * BLOCK_N, n_groups, BLOCK_N)
+                keep = load_keep_mask(mask_ptr, offs_m.to(tl.int64), m_mask, n0, n_groups, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
         s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :]
         l_ptrs = lora_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :]  # (r, n) tile of the adapter's rows
@@ -107,49 +158,47 @@ def _lora_gemm_kernel(
             acc = tl.dot(st, lt, acc)
             s_ptrs += BLOCK_R
             l_ptrs += BLOCK_R * N
-        if APPLY_SCALE:
+        if FORWARD:
             acc = acc * scale
         if OUT_DROPOUT:
             acc = tl.where(keep, acc * inv_keep, 0.0)
+    return acc, offs_m, offs_n, m_mask, n_mask, row_start, rank
 
-    # the base product accumulates on top of it
-    if FUSED_BASE:
-        # clamp instead of masking: rows/cols past the tile's end load valid memory and are not stored
-        rows = tl.minimum(offs_m, row_end - 1)
-        cols = offs_n % N
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-        w_ptrs = w_ptr + offs_k[:, None] * stride_wk + cols[None, :].to(tl.int64) * stride_wn
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                at = tl.load(a_ptrs)
-                wt = tl.load(w_ptrs)
-            else:
-                k_mask = (k0 + offs_k) < K
-                at = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-                wt = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-            acc = tl.dot(at, wt, acc)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wk
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if not FUSED_BASE:
-        acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can describe each 2-D tensor: rows contiguous, the row stride and the
+    start aligned to 16 bytes (so bf16 widths must be multiples of 8)."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, each looping over several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _schedule(forward: bool, n: int, n_pairs: int, device: torch.device) -> tuple[int, bool]:
+    """(grid size, warp specialisation) of the fused base GEMM, measured per direction on an
+    H200 (benchmarks/KERNELS_NOTES.md, v8): the forward ran best persistent (one program per
+    SM looping over its tiles, so one tile's stores overlap the next one's loads), warp-
+    specialised when the output is wide (N >= 8192); the backward best one program per tile."""
+    if not forward:
+        return n_pairs, False
+    return min(n_pairs, _sm_count(device)), n >= 8192
 
 
 def lora_gemm(
     a: torch.Tensor,  # [M, K] contiguous: x or dY
-    w: torch.Tensor,  # [N, K] (w_transposed: x @ w^T, forward) or [K, N] (dY @ w, backward)
+    w: torch.Tensor,  # [N, K] (forward: x @ w^T) or [K, N] (backward: dY @ w)
     bias: Optional[torch.Tensor],  # [N]
     s: torch.Tensor,  # [M, meta.rank_stride] in a's dtype: S or dS
     lora_pack: torch.Tensor,  # [R_total, N] in a's dtype: packed B^T (forward) or A (backward)
     out: torch.Tensor,  # [M, N]: written, or (fused_base=False) already holding the base product
     meta: LoRABatchMeta,
     forward: bool,  # True: Y (B_i, scale, bias); False: dX (A_i, dropout mask)
-    fused_base: bool,
+    fused_base: bool,  # True needs tma_ready(a, w)
     mask_nibbles: Optional[torch.Tensor] = None,  # backward with dropout: the forward shrink's mask
 ) -> torch.Tensor:
     assert a.is_contiguous() and out.stride(1) == 1 and a.dtype == w.dtype == lora_pack.dtype == s.dtype
@@ -157,34 +206,32 @@ def lora_gemm(
     cfg = meta.config
     M, K = a.shape
     N = out.shape[1]
-    # forward reads W [N, K] as (k, n); backward reads W [K_base=out, N=in] as (k, n)
-    stride_wk, stride_wn = (w.stride(1), w.stride(0)) if forward else (w.stride(0), w.stride(1))
-    grid = (meta.n_tiles * triton.cdiv(N, cfg.gemm_block_n),)
-    if grid[0] == 0 or (not fused_base and meta.max_rank == 0 and bias is None):
+    block_n = cfg.gemm_block_n if fused_base else cfg.add_block_n
+    n_pairs = meta.n_tiles * triton.cdiv(N, block_n)  # (tile, n block) pairs
+    if n_pairs == 0 or (not fused_base and meta.max_rank == 0 and bias is None):
         return out
     out_dropout = (not forward) and meta.has_dropout
     if out_dropout:
         assert mask_nibbles is not None and mask_nibbles.shape == (M, triton.cdiv(N, 4))
-    _lora_gemm_kernel[grid](
-        a, w, bias if bias is not None else out, s, lora_pack, out, mask_nibbles if out_dropout else out,
-        *meta.args(),
-        N, K, meta.n_tiles, triton.cdiv(N, 4),
-        a.stride(0), stride_wk, stride_wn, s.stride(0), out.stride(0),
-        APPLY_SCALE=forward,
-        OUT_DROPOUT=out_dropout,
-        HAS_BIAS=bias is not None,
-        FUSED_BASE=fused_base,
-        EVEN_K=K % cfg.gemm_block_k == 0,
-        N_INT_COLS=len(ADAPTER_INT_COLS),
-        N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.gemm_block_n,
-        BLOCK_K=cfg.gemm_block_k,
-        BLOCK_R=meta.block_r_expand,
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.gemm_warps,
-        num_stages=cfg.gemm_stages,
-    )
+    common = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, N_INT_COLS=len(ADAPTER_INT_COLS),
+                  N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+                  BLOCK_R=meta.block_r_expand, GROUP_M=cfg.group_m)
+    mask = mask_nibbles if out_dropout else out
+    if not fused_base:
+        assert bias is None, "the in-place path adds no bias: the base product in `out` has it"
+        _lora_add_kernel[(n_pairs,)](s, lora_pack, out, mask, *meta.args(), N, meta.n_tiles, triton.cdiv(N, 4),
+                                     s.stride(0), out.stride(0), num_warps=cfg.add_warps, **common)
+        return out
+    if not tma_ready(a, w):
+        raise ValueError("The fused base GEMM needs TMA-ready operands (see `tma_ready`); use fused_base=False.")
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.gemm_block_k])
+    w_desc = TensorDescriptor.from_tensor(
+        w, [cfg.gemm_block_n, cfg.gemm_block_k] if forward else [cfg.gemm_block_k, cfg.gemm_block_n])
+    grid, warp_specialize = _schedule(forward, N, n_pairs, a.device)
+    _lora_gemm_kernel[(grid,)](a_desc, w_desc, bias if bias is not None else out, s, lora_pack, out, mask,
+                               *meta.args(), N, K, meta.n_tiles, triton.cdiv(N, 4), grid, s.stride(0), out.stride(0),
+                               HAS_BIAS=bias is not None, BLOCK_K=cfg.gemm_block_k, K_STAGES=cfg.gemm_stages,
+                               WARP_SPECIALIZE=warp_specialize, num_warps=cfg.gemm_warps, **common)
     return out
 
 

@@ -16,6 +16,7 @@ Nothing here imports Triton: the CPU reference path never needs it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -35,13 +36,17 @@ class KernelConfig:
     """Block sizes and path choices of one call; from `config_for` (cached per largest rank)."""
 
     block_m: int = 128  # rows per tile, all kernels; a segment pads to a multiple of it
-    # fused base GEMM + LoRA expand (forward Y, backward dX)
+    # the base GEMM fused with the LoRA term (lora_gemm.py, `fused_base`)
     gemm_block_n: int = 256
     gemm_block_k: int = 64
     gemm_warps: int = 8
     gemm_stages: int = 3
     group_m: int = 8  # m-tiles per L2 swizzle group
-    fused_base: bool = True  # False: cuBLAS base GEMM, then the LoRA term added in place
+    fused_base: bool = True  # False: cuBLAS base GEMM, then the LoRA term added in place (also where TMA cannot)
+    fuse_dx: bool = True  # with fused_base, the backward's dX GEMM too (else only the forward's Y)
+    # the LoRA term added in place to a cuBLAS product
+    add_block_n: int = 128
+    add_warps: int = 4
     # shrink (S = dropout(x) A^T, dS = scale dY B)
     shrink_block_m: int = 64  # divides block_m: each tile runs as block_m / shrink_block_m programs
     shrink_block_k: int = 64
@@ -57,7 +62,7 @@ class KernelConfig:
 
 # Interpreter (CPU) blocks: small, so that tests run many tiles, K steps and chunks.
 INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, gemm_warps=4,
-                                gemm_stages=1, group_m=2, shrink_block_m=16, shrink_block_k=32,
+                                gemm_stages=1, group_m=2, add_block_n=32, shrink_block_m=16, shrink_block_k=32,
                                 reduce_block_m=16, reduce_block_n=32,
                                 chunk_rows=32)
 
@@ -66,26 +71,37 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+FUSED_BLOCK_M = 128  # tile height of the fused base GEMM: smaller tiles ran 10-20% slower (v8)
+
+
+def fuse_base_for(seg_lens: Sequence[int]) -> bool:
+    """Whether a segment layout runs the base GEMM fused with the LoRA term (`config_for`):
+    tiles never span two adapters, so each segment's last tile is padded to FUSED_BLOCK_M
+    rows of GEMM work. Fused only while that padding adds at most 5% of the rows; packs of
+    short segments (32 adapters of 64 rows) run cuBLAS plus the in-place LoRA add instead."""
+    rows = sum(int(s) for s in seg_lens)
+    padded = sum(-(-int(s) // FUSED_BLOCK_M) * FUSED_BLOCK_M for s in seg_lens)
+    return padded <= 1.05 * rows
+
+
 @functools.lru_cache(maxsize=64)
-def config_for(max_rank: int, on_cuda: bool) -> KernelConfig:
-    """Block sizes for a call whose largest adapter rank is `max_rank`: measured defaults
-    (see benchmarks/KERNELS_NOTES.md), all checked spill-free for sm_90 offline. Only the rank
-    block changes them today; the interpreter gets small blocks (`INTERPRET_CONFIG`)."""
+def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelConfig:
+    """Block sizes for a call whose largest adapter rank is `max_rank`, with the base GEMM
+    fused (`fuse_base`, see `fuse_base_for`) or not: measured defaults (see
+    benchmarks/KERNELS_NOTES.md); the interpreter gets small blocks (`INTERPRET_CONFIG`)."""
     if not on_cuda:
-        return INTERPRET_CONFIG
+        return INTERPRET_CONFIG if fuse_base else dataclasses.replace(INTERPRET_CONFIG, fused_base=False)
     block_r = rank_blocks(max(max_rank, 1))[0]
-    # Measured (H200, run 1 of KERNELS_NOTES.md): cuBLAS for the base GEMMs plus the LoRA term
-    # added in place beat the Triton base GEMM at every benchmark shape of >= 2048 tokens but
-    # one, so the fused Triton GEMM (fused_base=True, 128x256x64, 8 warps, 3 stages) is opt-in.
-    # 64-row tiles at every segment length: less padding per segment, and the in-place LoRA
-    # adds ran 5-15% faster than with 128-row tiles at 512-1792-row segments too (KERNELS_NOTES v5).
-    return KernelConfig(
-        block_m=64,
-        gemm_block_n=128, gemm_block_k=64, gemm_warps=4, gemm_stages=3, fused_base=False,
-        shrink_block_m=64, shrink_block_k=64, shrink_warps=4 if block_r <= 64 else 8,
-        reduce_block_m=64, reduce_block_n=128 if block_r <= 32 else 64, reduce_warps=4,
-        chunk_rows=1024,
-    )
+    shared = dict(shrink_block_m=64, shrink_block_k=64, shrink_warps=4 if block_r <= 64 else 8,
+                  reduce_block_m=64, reduce_block_n=128 if block_r <= 32 else 64, reduce_warps=4, chunk_rows=1024)
+    if fuse_base:
+        # Measured (H200, v8): the TMA base GEMM with the LoRA term in its accumulator, 128x256x64
+        # tiles, 8 warps, 3 stages, beat cuBLAS plus the in-place LoRA add at every shape but one.
+        return KernelConfig(block_m=FUSED_BLOCK_M, gemm_block_n=256, gemm_block_k=64, gemm_warps=8, gemm_stages=3,
+                            fused_base=True, add_block_n=128, add_warps=8, **shared)
+    # cuBLAS base GEMMs plus the LoRA term added in place, 64-row tiles: less padding per
+    # segment, and the in-place adds ran 5-15% faster than with 128-row tiles (v5).
+    return KernelConfig(block_m=64, fused_base=False, add_block_n=128, add_warps=4, **shared)
 
 
 def rank_blocks(max_rank: int) -> tuple[int, int]:

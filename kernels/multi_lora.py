@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .dropout import empty_mask_nibbles
-from .metadata import KernelConfig, LoRABatchMeta, config_for
+from .metadata import KernelConfig, LoRABatchMeta, config_for, fuse_base_for
 from .reference import Seeds, per_adapter_seeds
 
 
@@ -79,24 +79,34 @@ def pack_adapters(a_cat, lora_b, ranks, dtype):
     return a_pack, bt_pack
 
 
+def _base_plus_lora(a, weight, bias, s, lora_pack, meta, forward, mask_nibbles=None):
+    """Y = x W^T + b + LoRA (forward) or dX = dY W + LoRA (backward): the base GEMM fused with
+    the LoRA term where the config says so and TMA can read the operands, else cuBLAS and the
+    LoRA term added in place."""
+    from .lora_gemm import lora_gemm, tma_ready
+
+    fused = meta.config.fused_base and (forward or meta.config.fuse_dx) and tma_ready(a, weight)
+    if fused:
+        out = a.new_empty(a.shape[0], weight.shape[0] if forward else weight.shape[1])
+    else:
+        out = F.linear(a, weight, bias) if forward else a @ weight
+        bias = None
+    return lora_gemm(a, weight, bias, s, lora_pack, out, meta, forward=forward, fused_base=fused,
+                     mask_nibbles=mask_nibbles)
+
+
 class _TritonMultiLoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, meta: LoRABatchMeta, a_cat, b_flat, a_pack, bt_pack):
         # a_cat [R_total, in], b_flat [out * R_total]: the adapters with rows (`cat_adapters`),
         # the autograd edges; a_pack, bt_pack: the same in x's dtype, as the kernels read them
-        from .lora_gemm import lora_gemm
         from .shrink import lora_shrink
 
         x = x.contiguous()
         s = torch.empty(x.shape[0], meta.rank_stride, device=x.device, dtype=x.dtype)  # (tokens, rank)
         mask_nibbles = empty_mask_nibbles(x.shape[0] if meta.has_dropout else 0, x.shape[1], x.device)
         lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask_nibbles)
-        if meta.config.fused_base:
-            y = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
-            lora_gemm(x, weight, bias, s, bt_pack, y, meta, forward=True, fused_base=True)
-        else:
-            y = F.linear(x, weight, bias)
-            lora_gemm(x, weight, None, s, bt_pack, y, meta, forward=True, fused_base=False)
+        y = _base_plus_lora(x, weight, bias, s, bt_pack, meta, forward=True)
         ctx.save_for_backward(x, weight, s, a_pack, bt_pack, mask_nibbles)
         ctx.meta = meta
         ctx.grad_dtype = a_cat.dtype if a_cat is not None else x.dtype
@@ -104,7 +114,6 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .lora_gemm import lora_gemm
         from .row_reduce import lora_row_reduce
         from .shrink import lora_shrink
 
@@ -123,14 +132,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
 
         dx = None
         if ctx.needs_input_grad[0]:
-            if meta.config.fused_base:
-                dx = torch.empty_like(x)
-                lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=True,
-                          mask_nibbles=mask_nibbles)
-            else:
-                dx = dy @ weight
-                lora_gemm(dy, weight, None, ds, a_pack, dx, meta, forward=False, fused_base=False,
-                          mask_nibbles=mask_nibbles)
+            dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
         return dx, None, None, None, da, db, None, None
 
 
@@ -154,7 +156,9 @@ def triton_multi_lora_linear(
     seeds = seed if isinstance(seed, torch.Tensor) and seed.dim() == 1 else per_adapter_seeds(seed, len(seg_lens))
     max_rank = max((a.shape[0] for a in lora_a if a is not None), default=0)
     if config is None:
-        config = config_for(max_rank, x.is_cuda)
+        # fused base GEMM for 16-bit inputs only on GPU: its fp32 dot would run in TF32, where torch's does not
+        fuse_base = fuse_base_for(seg_lens) and (not x.is_cuda or x.element_size() == 2)
+        config = config_for(max_rank, x.is_cuda, fuse_base)
     meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, scales, dropout_p, seeds,
                                weight.shape[1], weight.shape[0], x.device, config)
     a_cat, b_flat = cat_adapters(lora_a, lora_b, meta.ranks)

@@ -30,7 +30,7 @@ from lora_sweep.kernels.dropout import (  # noqa: E402
     philox_randint4x,
 )
 from lora_sweep.kernels.lora_gemm import lora_gemm, reference_lora_gemm  # noqa: E402
-from lora_sweep.kernels.metadata import INTERPRET_CONFIG, LoRABatchMeta  # noqa: E402
+from lora_sweep.kernels.metadata import INTERPRET_CONFIG, LoRABatchMeta, config_for, fuse_base_for  # noqa: E402
 from lora_sweep.kernels.multi_lora import cat_adapters, pack_adapters  # noqa: E402
 from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
 from lora_sweep.kernels.shrink import lora_shrink, reference_lora_shrink  # noqa: E402
@@ -40,6 +40,7 @@ TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2
 CONFIGS = {
     "fused": INTERPRET_CONFIG,
     "cublas_base": dataclasses.replace(INTERPRET_CONFIG, fused_base=False),
+    "fused_y_only": dataclasses.replace(INTERPRET_CONFIG, fuse_dx=False),  # dX: cuBLAS + the in-place add
     # 32-row tiles run as two 16-row shrink programs; 64-row chunks sum partials of several tiles
     "split_chunks": dataclasses.replace(INTERPRET_CONFIG, block_m=32, shrink_block_m=16, chunk_rows=64),
     # every adapter in one chunk: the reduction writes the gradients directly
@@ -166,6 +167,26 @@ def test_large_ranks_span_several_rank_blocks():
     # rank 130 > the shrink's 128-wide block and > the expand's 64-wide rank step
     case = random_case(3, 11, in_f=24, out_f=20, max_rows=20, ranks=(130, 5))
     check_against_reference(case, CONFIGS["fused"])
+
+
+def test_widths_tma_cannot_read_fall_back_to_the_in_place_add():
+    # fp32 rows of 37 and 23 values are not 16-byte multiples: the base GEMM cannot be fused there
+    case = random_case(5, 4, in_f=37, out_f=23)
+    check_against_reference(case, CONFIGS["fused"])
+    x, weight, bias, lora_a, lora_b, *_ = case
+    meta = _meta(case, CONFIGS["fused"])
+    a_pack, bt_pack = pack_adapters(cat_adapters(lora_a, lora_b, meta.ranks)[0], lora_b, meta.ranks, x.dtype)
+    s = torch.zeros(x.shape[0], meta.rank_stride)
+    with pytest.raises(ValueError, match="TMA"):
+        lora_gemm(x.detach(), weight, bias, s, bt_pack, torch.empty(x.shape[0], 23), meta, forward=True,
+                  fused_base=True)
+
+
+def test_base_is_fused_only_where_tiles_pad_little():
+    assert fuse_base_for([1024] * 4) and fuse_base_for([4096, 100]) and fuse_base_for([128, 0, 256])
+    assert not fuse_base_for([64] * 32)  # half of every 128-row tile would be padding
+    assert not fuse_base_for([1000, 1048])  # 6% padding
+    assert config_for(16, False, True).fused_base and not config_for(16, False, False).fused_base
 
 
 def test_no_lora_at_all_and_no_rows():

@@ -5,12 +5,13 @@ Backward: dX = dY @ W + keep_i / (1 - p_i) * (dS @ A_i)      (dS from the shrink
 
 The LoRA term is computed first into the fp32 accumulator (the backward applies the dropout
 mask there, read from the nibbles the forward shrink stored), then the base GEMM
-accumulates on top, so the output is written once (LoRAFusion's fused expand). The base
-operands arrive through TMA descriptors (Hopper's bulk tensor copies, zero-filled past the
-edges): with them the GEMM runs at cuBLAS speed, which the pointer-based loads did not
-(~75%). With `FUSED_BASE=False` the base product is already in `out` (cuBLAS) and the kernel
-adds the LoRA term in place: one extra read and write of `out`, for shapes TMA cannot
-describe and for packs of short segments, whose 128-row tiles would be mostly padding.
+accumulates on top, so the output is written once (LoRAFusion's fused expand):
+`_lora_gemm_kernel`. Its base operands arrive through TMA descriptors (Hopper's bulk tensor
+copies, zero-filled past the edges): with them the GEMM runs within 3-5% of cuBLAS, where
+pointer-based loads reached ~75%. `_lora_add_kernel` instead adds the LoRA term in place to
+a base product cuBLAS already wrote to `out` (one extra read and write of it): for operands
+TMA cannot describe, and for packs of short segments, whose 128-row tiles would be mostly
+padding (`metadata.fuse_base_for`).
 
 The LoRA MMAs run on the base operand's dtype (bf16 on GPU: S/dS are stored in it and the
 adapters are packed in it per call) with fp32 accumulation. The rank loop steps over the tile's

@@ -452,6 +452,7 @@ def section_profile(res, device):
             step()
         host_ms = (time.perf_counter() - t) * 100  # per call, enqueue only (no sync inside)
         torch.cuda.synchronize() if not DRY else None
+
         def kernel_times(fn):  # [(ms per call, calls per call, name)] of 5 calls, largest first
             with profile(activities=[ProfilerActivity.CPU] + ([] if DRY else [ProfilerActivity.CUDA])) as prof:
                 for _ in range(5):

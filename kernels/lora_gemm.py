@@ -204,12 +204,13 @@ def lora_gemm(
 ) -> torch.Tensor:
     assert a.is_contiguous() and out.stride(1) == 1 and a.dtype == w.dtype == lora_pack.dtype == s.dtype
     assert lora_pack.is_contiguous() and lora_pack.shape[1] == out.shape[1]
+    assert fused_base or bias is None, "the in-place path adds no bias: the base product in `out` has it"
     cfg = meta.config
     M, K = a.shape
     N = out.shape[1]
     block_n = cfg.gemm_block_n if fused_base else cfg.add_block_n
     n_pairs = meta.n_tiles * triton.cdiv(N, block_n)  # (tile, n block) pairs
-    if n_pairs == 0 or (not fused_base and meta.max_rank == 0 and bias is None):
+    if n_pairs == 0 or (not fused_base and meta.max_rank == 0):  # in place, no LoRA term: nothing to add
         return out
     out_dropout = (not forward) and meta.has_dropout
     if out_dropout:
@@ -219,7 +220,6 @@ def lora_gemm(
                   BLOCK_R=meta.block_r_expand, GROUP_M=cfg.group_m)
     mask = mask_nibbles if out_dropout else out
     if not fused_base:
-        assert bias is None, "the in-place path adds no bias: the base product in `out` has it"
         _lora_add_kernel[(n_pairs,)](s, lora_pack, out, mask, *meta.args(), N, meta.n_tiles, triton.cdiv(N, 4),
                                      s.stride(0), out.stride(0), num_warps=cfg.add_warps, **common)
         return out

@@ -71,7 +71,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-FUSED_BLOCK_M = 128  # tile height of the fused base GEMM: 64-row tiles ran 3-22% slower (v8)
+FUSED_BLOCK_M = 128  # tile height of the fused base GEMM: 64-row tiles were slower in a probe (KERNELS_NOTES v8)
 
 
 def fuse_base_for(seg_lens: Sequence[int]) -> bool:

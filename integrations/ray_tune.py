@@ -294,8 +294,9 @@ class PackServer:
             if self._slots.get(slot.ticket) is not slot or not slot.in_job:
                 return  # it left while we saved the adapter
             if message.kind == "report":
-                for waiting in slot.outbox:  # Tune is behind: only the newest report keeps its adapter
-                    waiting.adapter = None
+                # Every queued report keeps its adapter, even when Tune is behind: a scheduler that
+                # pauses a trial at this result resumes it from this result's checkpoint (Tune saves
+                # the last result's), so a report without one would roll the trial back.
                 slot.outbox.append(message)
                 self._cond.notify_all()
             else:

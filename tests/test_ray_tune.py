@@ -215,13 +215,19 @@ def test_a_dead_proxy_loses_its_slot(executor, tmp_path):
 
 class PauseOnce(FIFOScheduler):
     """Pauses every trial once, at its second report, as MedianStoppingRule and HyperBand do
-    when they yield a trial's resources to others; FIFO resumes it from its checkpoint."""
+    when they yield a trial's resources to others; FIFO resumes it from its checkpoint.
+
+    It is slow with each trial's first report, so the pack trains ahead of Tune (as with a
+    busy driver) and the second report waits in the pack server's queue behind others.
+    """
 
     def __init__(self):
         super().__init__()
         self.paused = set()
 
     def on_trial_result(self, tune_controller, trial, result):
+        if result["training_iteration"] == 1:
+            time.sleep(1.0)  # the pack reaches the last step meanwhile
         if result["training_iteration"] == 2 and trial.trial_id not in self.paused:
             self.paused.add(trial.trial_id)
             return TrialScheduler.PAUSE

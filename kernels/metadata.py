@@ -170,7 +170,7 @@ class LoRABatchMeta:
                                 tuple(float(p) for p in dropout_p), in_features, out_features,
                                 torch.device(device), config)
         if not isinstance(seeds, torch.Tensor):
-            seeds = _table([normalize_seed(s) for s in seeds], 1, torch.int64, device).reshape(-1)
+            seeds = _seed_table(tuple(normalize_seed(s) for s in seeds), torch.device(device))
         if seeds.shape != (len(ranks),) or seeds.dtype != torch.int64:
             raise ValueError(f"Expected one int64 seed per adapter ({len(ranks)}), got {tuple(seeds.shape)} "
                              f"{seeds.dtype}.")
@@ -219,6 +219,13 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
         r_total=r_offset,
         config=config,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _seed_table(seeds: tuple, device: torch.device) -> torch.Tensor:
+    """Seeds given as ints, on the device: cached, as a copy per call would cost more host
+    time than a small kernel (the engine passes a device tensor instead)."""
+    return _table(seeds, 1, torch.int64, device).reshape(-1)
 
 
 def _table(rows, width, dtype, device) -> torch.Tensor:

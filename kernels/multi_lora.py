@@ -12,10 +12,11 @@ LoRAFusion's split at the rank-r tensor S, per call:
 Saved for backward: x, S ([tokens, rank] in x's dtype), the dropout keep-mask (drawn once,
 by the forward shrink, as uint8 nibbles: 1/8 of x's size), the packed adapters and the
 routing tables; no dropped x. W and bias are frozen: no gradient is ever computed for them.
-The adapters enter concatenated (`cat_adapters`: one autograd edge each for all A and all B,
-whatever the number of adapters) and are packed into the compute dtype per call
-(`pack_adapters`); the backward writes dA and dB in the same concatenated layout, and the
-cat's own backward hands each adapter its slice.
+Each adapter's A and B enter the Function as inputs of their own and are packed into the
+compute dtype inside it (`pack_adapters`); the backward writes all dA into one buffer and all
+dB into another and hands each adapter a view of its slice. Autograd then holds one node per
+call whatever the number of adapters, and no cat or reshape nodes: host time, which is what
+bounds a call at a few thousand tokens.
 """
 
 from __future__ import annotations
@@ -56,25 +57,14 @@ def _check_inputs(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens):
         raise TypeError(f"All adapters must share one dtype, got {sorted(map(str, dtypes))}.")
 
 
-def cat_adapters(lora_a, lora_b, ranks):
-    """The adapters that have rows, concatenated in adapter order (autograd records the cat,
-    so gradients reach each A_i and B_i): A [R_total, in] with A_i from row r_offset_i, and
-    B flat, B_i's [out, r_i] block from element out * r_offset_i. Each adapter's slice of
-    either is contiguous, so its gradient is too. None, None when no adapter has rows."""
-    used = [i for i, r in enumerate(ranks) if r]
-    if not used:
-        return None, None
-    return torch.cat([lora_a[i] for i in used]), torch.cat([lora_b[i].reshape(-1) for i in used])
-
-
 @torch.no_grad()
-def pack_adapters(a_cat, lora_b, ranks, dtype):
-    """The adapters with rows as the kernels read them, in the compute dtype: A [R_total, in]
-    (`a_cat`, from `cat_adapters`) and B^T [R_total, out], both row-major. B^T is the B_i
-    side by side, transposed once: a few ops whatever the number of adapters, not a
-    transpose per adapter (host time: the packing runs in every call)."""
-    a_pack = a_cat.detach().to(dtype)
-    b_side_by_side = torch.cat([b for b, r in zip(lora_b, ranks) if r], dim=1)  # [out, R_total]
+def pack_adapters(lora_a, lora_b, dtype):
+    """Adapters as the kernels read them, in the compute dtype: A [R_total, in], the A_i
+    stacked (adapter i from row r_offset_i), and B^T [R_total, out], row-major. B^T is the
+    B_i side by side, transposed once: a few ops whatever the number of adapters (host time:
+    the packing runs in every call). `lora_a`, `lora_b`: the adapters with rows, in order."""
+    a_pack = torch.cat(lora_a).to(dtype)
+    b_side_by_side = torch.cat(lora_b, dim=1)  # [out, R_total]
     bt_pack = a_pack.new_empty(b_side_by_side.shape[::-1]).copy_(b_side_by_side.t())  # cast and transpose: one copy
     return a_pack, bt_pack
 
@@ -97,19 +87,23 @@ def _base_plus_lora(a, weight, bias, s, lora_pack, meta, forward, mask_nibbles=N
 
 class _TritonMultiLoRALinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, meta: LoRABatchMeta, a_cat, b_flat, a_pack, bt_pack):
-        # a_cat [R_total, in], b_flat [out * R_total]: the adapters with rows (`cat_adapters`),
-        # the autograd edges; a_pack, bt_pack: the same in x's dtype, as the kernels read them
+    def forward(ctx, x, weight, bias, meta: LoRABatchMeta, *adapters):
+        # adapters: A_0.. then B_0.. of the adapters with rows (meta.ranks > 0), in order
         from .shrink import lora_shrink
 
         x = x.contiguous()
+        n = len(adapters) // 2
+        if n:
+            a_pack, bt_pack = pack_adapters(adapters[:n], adapters[n:], x.dtype)
+        else:  # no LoRA rows at all: the kernels have nothing to read
+            a_pack, bt_pack = x.new_empty(0, x.shape[1]), x.new_empty(0, weight.shape[0])
         s = torch.empty(x.shape[0], meta.rank_stride, device=x.device, dtype=x.dtype)  # (tokens, rank)
         mask_nibbles = empty_mask_nibbles(x.shape[0] if meta.has_dropout else 0, x.shape[1], x.device)
         lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask_nibbles)
         y = _base_plus_lora(x, weight, bias, s, bt_pack, meta, forward=True)
         ctx.save_for_backward(x, weight, s, a_pack, bt_pack, mask_nibbles)
         ctx.meta = meta
-        ctx.grad_dtype = a_cat.dtype if a_cat is not None else x.dtype
+        ctx.grad_dtype = adapters[0].dtype if n else x.dtype
         return y
 
     @staticmethod
@@ -123,17 +117,22 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         ds = torch.empty_like(s)  # (tokens, rank)
         lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
 
-        da = db = None
-        if (ctx.needs_input_grad[4] or ctx.needs_input_grad[5]) and meta.r_total:
+        adapter_grads = [None] * (len(ctx.needs_input_grad) - 4)
+        if any(ctx.needs_input_grad[4:]):
+            # every dB_i [out, r_i] one after another in one flat buffer, every dA_i [r_i, in]
+            # stacked in another: each adapter's gradient is a contiguous view
             db = torch.empty(dy.shape[1] * meta.r_total, device=x.device, dtype=ctx.grad_dtype)
             da = torch.empty(meta.r_total, x.shape[1], device=x.device, dtype=ctx.grad_dtype)
             lora_row_reduce(dy, s, db, meta, out_is_b=True)
             lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
+            ranks = [r for r in meta.ranks if r]
+            db_blocks = db.split([dy.shape[1] * r for r in ranks])
+            adapter_grads = [*da.split(ranks), *(g.view(dy.shape[1], r) for g, r in zip(db_blocks, ranks))]
 
         dx = None
         if ctx.needs_input_grad[0]:
             dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
-        return dx, None, None, None, da, db, None, None
+        return dx, None, None, None, *adapter_grads
 
 
 def triton_multi_lora_linear(
@@ -161,9 +160,7 @@ def triton_multi_lora_linear(
         config = config_for(max_rank, x.is_cuda, fuse_base)
     meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, scales, dropout_p, seeds,
                                weight.shape[1], weight.shape[0], x.device, config)
-    a_cat, b_flat = cat_adapters(lora_a, lora_b, meta.ranks)
-    if a_cat is None:  # no LoRA rows at all: the kernels have nothing to read
-        a_pack, bt_pack = x.new_empty(0, x.shape[1]), x.new_empty(0, weight.shape[0])
-    else:
-        a_pack, bt_pack = pack_adapters(a_cat, lora_b, meta.ranks, x.dtype)
-    return _TritonMultiLoRALinear.apply(x, weight, bias, meta, a_cat, b_flat, a_pack, bt_pack)
+    # an adapter with no rows is not packed and gets no gradient (None), as in the reference
+    used = [i for i, r in enumerate(meta.ranks) if r]
+    return _TritonMultiLoRALinear.apply(x, weight, bias, meta, *(lora_a[i] for i in used),
+                                        *(lora_b[i] for i in used))

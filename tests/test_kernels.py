@@ -31,7 +31,7 @@ from lora_sweep.kernels.dropout import (  # noqa: E402
 )
 from lora_sweep.kernels.lora_gemm import lora_gemm, reference_lora_gemm  # noqa: E402
 from lora_sweep.kernels.metadata import INTERPRET_CONFIG, LoRABatchMeta, config_for, fuse_base_for  # noqa: E402
-from lora_sweep.kernels.multi_lora import cat_adapters, pack_adapters  # noqa: E402
+from lora_sweep.kernels.multi_lora import pack_adapters  # noqa: E402
 from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
 from lora_sweep.kernels.shrink import lora_shrink, reference_lora_shrink  # noqa: E402
 
@@ -175,7 +175,7 @@ def test_widths_tma_cannot_read_fall_back_to_the_in_place_add():
     check_against_reference(case, CONFIGS["fused"])
     x, weight, bias, lora_a, lora_b, *_ = case
     meta = _meta(case, CONFIGS["fused"])
-    a_pack, bt_pack = pack_adapters(cat_adapters(lora_a, lora_b, meta.ranks)[0], lora_b, meta.ranks, x.dtype)
+    a_pack, bt_pack = pack_adapters(*_adapters_with_rows(lora_a, lora_b, meta), x.dtype)
     s = torch.zeros(x.shape[0], meta.rank_stride)
     with pytest.raises(ValueError, match="TMA"):
         lora_gemm(x.detach(), weight, bias, s, bt_pack, torch.empty(x.shape[0], 23), meta, forward=True,
@@ -254,6 +254,12 @@ def _meta(case, config):
                                weight.shape[1], weight.shape[0], x.device, config)
 
 
+def _adapters_with_rows(lora_a, lora_b, meta):
+    """The A_i and the B_i that the kernels pack: adapters with rows, in order."""
+    used = [i for i, r in enumerate(meta.ranks) if r]
+    return [lora_a[i] for i in used], [lora_b[i] for i in used]
+
+
 @pytest.mark.parametrize("config", ["fused", "split_chunks"])
 def test_each_kernel_matches_its_reference(config):
     case = random_case(6, 21)
@@ -262,8 +268,7 @@ def test_each_kernel_matches_its_reference(config):
     meta = _meta(case, CONFIGS[config])
     ranks = [0 if a is None else a.shape[0] for a in lora_a]
     rows_with_lora = torch.cat([torch.full((n,), r > 0) for n, r in zip(seg_lens, ranks)])
-    a_cat, b_cat = cat_adapters(lora_a, lora_b, meta.ranks)
-    a_pack, bt_pack = pack_adapters(a_cat, lora_b, meta.ranks, x.dtype)
+    a_pack, bt_pack = pack_adapters(*_adapters_with_rows(lora_a, lora_b, meta), x.dtype)
     assert a_pack.shape == (meta.r_total, x.shape[1]) and bt_pack.shape == (meta.r_total, weight.shape[0])
 
     s = torch.zeros(x.shape[0], meta.rank_stride)
@@ -294,7 +299,7 @@ def test_each_kernel_matches_its_reference(config):
     dx_ref = reference_lora_gemm(dy, weight, None, ds, lora_a, seg_lens, False, scales, dropout_p, seeds)
     assert_close(dx, dx_ref, what="gemm backward")
 
-    # dB flat: the B_i blocks one after another; dA [R_total, in]: the A_i stacked (cat_adapters' layouts)
+    # dB flat: the B_i blocks one after another; dA [R_total, in]: the A_i stacked (the layouts the Function hands out as views)
     for out_is_b, u, v, shape in ((True, dy, s, (weight.shape[0] * meta.r_total,)),
                                   (False, x, ds, (meta.r_total, x.shape[1]))):
         got = torch.zeros(shape)

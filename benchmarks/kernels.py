@@ -1,6 +1,7 @@
 """GPU check and benchmark of the fused multi-LoRA kernels (run on the device machine).
 
-    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,profile,tune]
+    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,profile,host,tune]
+                                 [--tokens 2048,16384]
 
 Sections:
   check  bf16 correctness vs a float64 reference on fresh random inputs (never zeros), over a
@@ -19,6 +20,7 @@ Sections:
   gemm   one base GEMM with its LoRA term, Y and dX apart: cuBLAS alone, the TMA kernel as a plain
          GEMM, the TMA kernel with the LoRA term, cuBLAS + the in-place LoRA add.
   profile  where one fused fwd+bwd spends its time: per-kernel GPU time, host enqueue time.
+  host   where the host time of one fused fwd+bwd goes: cProfile of many calls, by function.
   tune   block-size / base-path variants of the fused path on a subset of shapes (offline tuning).
 
 Results go to one JSON file (written after every section, so a timeout keeps what was done);
@@ -325,7 +327,7 @@ def section_lora(res, device):
     from lora_sweep.kernels.dropout import empty_mask_nibbles
     from lora_sweep.kernels.lora_gemm import lora_gemm
     from lora_sweep.kernels.metadata import LoRABatchMeta
-    from lora_sweep.kernels.multi_lora import cat_adapters, pack_adapters
+    from lora_sweep.kernels.multi_lora import pack_adapters
     from lora_sweep.kernels.row_reduce import lora_row_reduce
     from lora_sweep.kernels.shrink import lora_shrink
 
@@ -343,8 +345,7 @@ def section_lora(res, device):
         def ours():
             meta = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
                                        p["seed"], in_f, out_f, x.device, cfg)  # per call, as in training
-            a_pack, bt_pack = pack_adapters(cat_adapters(p["lora_a"], p["lora_b"], meta.ranks)[0], p["lora_b"], meta.ranks,
-                                           x.dtype)
+            a_pack, bt_pack = pack_adapters(p["lora_a"], p["lora_b"], x.dtype)  # every adapter has rows here
             s = torch.empty(tokens, meta.rank_stride, device=device, dtype=x.dtype)
             mask = empty_mask_nibbles(tokens, in_f, device)
             lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask)
@@ -479,6 +480,61 @@ def section_profile(res, device):
     res["profile"] = out
 
 
+def section_host(res, device):
+    """Host time of one fused fwd+bwd by function (cProfile over 50 calls), for a pack of 4 and
+    one of 32 adapters at 2048 tokens, where the op is host-bound; the frozen base's own host
+    time beside it. cProfile slows Python down, so the per-call totals are timed without it."""
+    import cProfile
+    import pstats
+
+    out = []
+    for in_f, out_f, tokens, n in ((4096, 4096, 2048, 4), (4096, 14336, 2048, 32)):
+        if DRY:
+            in_f, out_f, tokens = 64, 48, 64
+        p = make_pack(in_f, out_f, tokens, n, [16] * n, 0.05, device)
+        params = params_of(p)
+        dy = torch.randn_like(m_base(p))
+
+        def step(fn):
+            fn(p).backward(dy)
+            for t in params:
+                t.grad = None
+
+        def host_ms(fn, calls=1 if DRY else 20):  # enqueue time per call, the GPU drained before and after
+            for _ in range(3):
+                step(fn)
+            torch.cuda.synchronize() if not DRY else None
+            t = time.perf_counter()
+            for _ in range(calls):
+                step(fn)
+            ms = (time.perf_counter() - t) * 1e3 / calls
+            torch.cuda.synchronize() if not DRY else None
+            return ms
+
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, host_ms_fused=host_ms(m_fused),
+                   host_ms_base=host_ms(m_base))
+        steps = 2 if DRY else 50
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            step(m_fused)
+        prof.disable()
+        torch.cuda.synchronize() if not DRY else None
+        funcs = []
+        for (file, line, name), (_, calls, self_s, cum_s, _) in pstats.Stats(prof).stats.items():
+            funcs.append(dict(func=f"{os.path.basename(file)}:{line}:{name}", calls_per_step=calls / steps,
+                              self_us_per_step=self_s / steps * 1e6, cum_us_per_step=cum_s / steps * 1e6))
+        row["by_self_time"] = sorted(funcs, key=lambda f: -f["self_us_per_step"])[:30]
+        row["by_cum_time"] = sorted(funcs, key=lambda f: -f["cum_us_per_step"])[:40]
+        out.append(row)
+        print(f"host {in_f}->{out_f} tok={tokens} n={n}: fused {row['host_ms_fused']:.3f} ms/call, "
+              f"base {row['host_ms_base']:.3f} ms/call; under cProfile, by cumulative time:", flush=True)
+        for f in row["by_cum_time"]:
+            print(f"  {f['cum_us_per_step']:9.1f} us cum {f['self_us_per_step']:8.1f} self x{f['calls_per_step']:<5.1f} "
+                  f"{f['func'][:90]}", flush=True)
+    res["host"] = out
+
+
 TUNE_GEMMS = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
 if DRY:
     TUNE_GEMMS = [(16, 32, 32, 4, 1), (32, 32, 32, 4, 1)]
@@ -569,6 +625,7 @@ def main():
     ap.add_argument("--out", default="kernels.json")
     ap.add_argument("--sections", default="check,ceil,main,lora,tune")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new benchmark rows after this")
+    ap.add_argument("--tokens", default=None, help="main: comma-separated token counts (default: 2048,16384)")
     ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET=1: checks the script only")
     args = ap.parse_args()
     device = torch.device("cpu" if DRY else "cuda")
@@ -593,9 +650,12 @@ def main():
             elif sec == "ceil":
                 section_ceil(res, device)
             elif sec == "main":
-                section_main(res, device, deadline)
+                tokens = [int(t) for t in args.tokens.split(",")] if args.tokens and not DRY else TOKENS
+                section_main(res, device, deadline, tokens_list=tokens)
             elif sec == "profile":
                 section_profile(res, device)
+            elif sec == "host":
+                section_host(res, device)
             elif sec == "gemm":
                 section_gemm(res, device)
             elif sec == "lora":

@@ -14,9 +14,9 @@ by the forward shrink, as uint8 nibbles: 1/8 of x's size), the packed adapters a
 routing tables; no dropped x. W and bias are frozen: no gradient is ever computed for them.
 Each adapter's A and B enter the Function as inputs of their own and are packed into the
 compute dtype inside it (`pack_adapters`); the backward writes all dA into one buffer and all
-dB into another and hands each adapter a view of its slice. Autograd then holds one node per
-call whatever the number of adapters, and no cat or reshape nodes: host time, which is what
-bounds a call at a few thousand tokens.
+dB into another and hands each adapter a view of its slice. Autograd then records one node
+per call and each parameter's gradient accumulation, with no cat or reshape nodes between
+them: host time, which is what bounds a call at a few thousand tokens.
 """
 
 from __future__ import annotations

@@ -299,7 +299,8 @@ def test_each_kernel_matches_its_reference(config):
     dx_ref = reference_lora_gemm(dy, weight, None, ds, lora_a, seg_lens, False, scales, dropout_p, seeds)
     assert_close(dx, dx_ref, what="gemm backward")
 
-    # dB flat: the B_i blocks one after another; dA [R_total, in]: the A_i stacked (the layouts the Function hands out as views)
+    # dB flat: the B_i blocks one after another; dA [R_total, in]: the A_i stacked (the Function
+    # hands each adapter a view of its block)
     for out_is_b, u, v, shape in ((True, dy, s, (weight.shape[0] * meta.r_total,)),
                                   (False, x, ds, (meta.r_total, x.shape[1]))):
         got = torch.zeros(shape)

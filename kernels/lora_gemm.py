@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._triton_common import load_adapter, load_keep_mask
+from ._triton_common import cdiv, load_adapter, load_keep_mask
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 
@@ -209,18 +209,18 @@ def lora_gemm(
     M, K = a.shape
     N = out.shape[1]
     block_n = cfg.gemm_block_n if fused_base else cfg.add_block_n
-    n_pairs = meta.n_tiles * triton.cdiv(N, block_n)  # (tile, n block) pairs
+    n_pairs = meta.n_tiles * cdiv(N, block_n)  # (tile, n block) pairs
     if n_pairs == 0 or (not fused_base and meta.max_rank == 0):  # in place, no LoRA term: nothing to add
         return out
     out_dropout = (not forward) and meta.has_dropout
     if out_dropout:
-        assert mask_nibbles is not None and mask_nibbles.shape == (M, triton.cdiv(N, 4))
+        assert mask_nibbles is not None and mask_nibbles.shape == (M, cdiv(N, 4))
     common = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, N_INT_COLS=len(ADAPTER_INT_COLS),
                   N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=cfg.block_m, BLOCK_N=block_n,
                   BLOCK_R=meta.block_r_expand, GROUP_M=cfg.group_m)
     mask = mask_nibbles if out_dropout else out
     if not fused_base:
-        _lora_add_kernel[(n_pairs,)](s, lora_pack, out, mask, *meta.args(), N, meta.n_tiles, triton.cdiv(N, 4),
+        _lora_add_kernel[(n_pairs,)](s, lora_pack, out, mask, *meta.args(), N, meta.n_tiles, cdiv(N, 4),
                                      s.stride(0), out.stride(0), num_warps=cfg.add_warps, **common)
         return out
     if not tma_ready(a, w):
@@ -230,7 +230,7 @@ def lora_gemm(
         w, [cfg.gemm_block_n, cfg.gemm_block_k] if forward else [cfg.gemm_block_k, cfg.gemm_block_n])
     grid, warp_specialize = _schedule(forward, N, n_pairs, a.device)
     _lora_gemm_kernel[(grid,)](a_desc, w_desc, bias if bias is not None else out, s, lora_pack, out, mask,
-                               *meta.args(), N, K, meta.n_tiles, triton.cdiv(N, 4), grid, s.stride(0), out.stride(0),
+                               *meta.args(), N, K, meta.n_tiles, cdiv(N, 4), grid, s.stride(0), out.stride(0),
                                HAS_BIAS=bias is not None, BLOCK_K=cfg.gemm_block_k, K_STAGES=cfg.gemm_stages,
                                WARP_SPECIALIZE=warp_specialize, num_warps=cfg.gemm_warps, **common)
     return out

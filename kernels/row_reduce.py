@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import load_adapter, load_keep_mask
+from ._triton_common import cdiv, load_adapter, load_keep_mask
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 
@@ -167,11 +167,11 @@ def lora_row_reduce(
     assert out.numel() == u.shape[1] * meta.r_total
     has_dropout = (not out_is_b) and meta.has_dropout
     if has_dropout:
-        assert mask_nibbles is not None and mask_nibbles.shape == (u.shape[0], triton.cdiv(u.shape[1], 4))
+        assert mask_nibbles is not None and mask_nibbles.shape == (u.shape[0], cdiv(u.shape[1], 4))
     cfg = meta.config
     N = u.shape[1]
-    n_blocks = triton.cdiv(N, cfg.reduce_block_n)
-    r_blocks = triton.cdiv(meta.max_rank, meta.block_r)
+    n_blocks = cdiv(N, cfg.reduce_block_n)
+    r_blocks = cdiv(meta.max_rank, meta.block_r)
     if meta.n_chunks == 0 or r_blocks == 0:
         return out
     direct = meta.max_chunks_per_adapter <= 1
@@ -181,7 +181,7 @@ def lora_row_reduce(
                                           dtype=torch.float32)
     _row_reduce_kernel[(meta.n_chunks, n_blocks, r_blocks)](
         u, v, part, mask_nibbles if has_dropout else v, *meta.chunk_args(),
-        N, meta.rank_stride, triton.cdiv(N, 4),
+        N, meta.rank_stride, cdiv(N, 4),
         u.stride(0), v.stride(0),
         OUT_IS_B=out_is_b,
         DIRECT=direct,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import keep_nibbles, load_adapter, nibbles_to_mask, store_nibbles
+from ._triton_common import cdiv, keep_nibbles, load_adapter, nibbles_to_mask, store_nibbles
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
 
@@ -115,16 +115,16 @@ def lora_shrink(
     assert lora_pack.dtype == x.dtype and lora_pack.shape[1] == x.shape[1]
     has_dropout = dropout and meta.has_dropout
     if has_dropout:
-        assert mask_nibbles is not None and mask_nibbles.shape == (x.shape[0], triton.cdiv(x.shape[1], 4))
+        assert mask_nibbles is not None and mask_nibbles.shape == (x.shape[0], cdiv(x.shape[1], 4))
     cfg = meta.config
     split_m = cfg.block_m // cfg.shrink_block_m  # smaller row blocks: more programs in flight
-    grid = (meta.n_tiles, split_m, triton.cdiv(meta.max_rank, meta.block_r))
+    grid = (meta.n_tiles, split_m, cdiv(meta.max_rank, meta.block_r))
     if grid[0] == 0 or grid[2] == 0:
         return out
     K = x.shape[1]
     _shrink_kernel[grid](
         x, lora_pack, out, mask_nibbles if has_dropout else out, *meta.args(),
-        K, triton.cdiv(K, 4),
+        K, cdiv(K, 4),
         x.stride(0), out.stride(0),
         APPLY_SCALE=apply_scale,
         HAS_DROPOUT=has_dropout,

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_common import cdiv
 from .reference import reference_silu_mul  # noqa: F401  (the torch reference of this file's kernels)
 
 _BLOCK = 1024
@@ -54,7 +55,7 @@ class _SiluMul(torch.autograd.Function):
         out = torch.empty_like(gate)
         n = gate.numel()
         if n:
-            _silu_mul_fwd_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, out, n, BLOCK=_BLOCK, num_warps=4)
+            _silu_mul_fwd_kernel[(cdiv(n, _BLOCK),)](gate, up, out, n, BLOCK=_BLOCK, num_warps=4)
         ctx.save_for_backward(gate, up)
         return out
 
@@ -65,7 +66,7 @@ class _SiluMul(torch.autograd.Function):
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         if n:
-            _silu_mul_bwd_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, dout, dgate, dup, n, BLOCK=_BLOCK,
+            _silu_mul_bwd_kernel[(cdiv(n, _BLOCK),)](gate, up, dout, dgate, dup, n, BLOCK=_BLOCK,
                                                              num_warps=4)
         return dgate, dup
 

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import cdiv, load_adapter, load_keep_mask
+from ._triton_common import load_adapter, load_keep_mask
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
 
 _CHUNK_FIRST_COL = ADAPTER_INT_COLS.index("chunk_first")
 

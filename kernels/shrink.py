@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import cdiv, keep_nibbles, load_adapter, nibbles_to_mask, store_nibbles
+from ._triton_common import keep_nibbles, load_adapter, nibbles_to_mask, store_nibbles
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import cdiv
+from .metadata import cdiv
 from .reference import reference_silu_mul  # noqa: F401  (the torch reference of this file's kernels)
 
 _BLOCK = 1024

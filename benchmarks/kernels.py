@@ -195,6 +195,28 @@ def bench_fwd_bwd(fn, p):
     return do_bench(step, grad_to_none=params)
 
 
+def fwd_bwd_step(fn, p, dy, params):
+    """One fwd+bwd of `fn` on pack `p`, its gradients dropped after, as do_bench does (no
+    gradient accumulation kernels)."""
+    fn(p).backward(dy)
+    for t in params:
+        t.grad = None
+
+
+def host_enqueue_ms(fn, p, dy, params, calls):
+    """Host time per fwd+bwd of `fn` (no sync inside: enqueue only), the GPU drained before
+    and after; if it exceeds the GPU time, the op is host-bound."""
+    for _ in range(3):
+        fwd_bwd_step(fn, p, dy, params)
+    torch.cuda.synchronize() if not DRY else None
+    t = time.perf_counter()
+    for _ in range(calls):
+        fwd_bwd_step(fn, p, dy, params)
+    ms = (time.perf_counter() - t) * 1e3 / calls
+    torch.cuda.synchronize() if not DRY else None
+    return ms
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -439,25 +461,12 @@ def section_profile(res, device):
         y = m_fused(p)
         dy = torch.randn_like(y)
         params = params_of(p)
-
-        def step(fn=m_fused):
-            fn(p).backward(dy)
-            for t in params:
-                t.grad = None  # as do_bench does: no gradient accumulation kernels
-
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize() if not DRY else None
-        t = time.perf_counter()
-        for _ in range(10):
-            step()
-        host_ms = (time.perf_counter() - t) * 100  # per call, enqueue only (no sync inside)
-        torch.cuda.synchronize() if not DRY else None
+        host_ms = host_enqueue_ms(m_fused, p, dy, params, calls=10)
 
         def kernel_times(fn):  # [(ms per call, calls per call, name)] of 5 calls, largest first
             with profile(activities=[ProfilerActivity.CPU] + ([] if DRY else [ProfilerActivity.CUDA])) as prof:
                 for _ in range(5):
-                    step(fn)
+                    fwd_bwd_step(fn, p, dy, params)
                 torch.cuda.synchronize() if not DRY else None
             out = []
             for e in prof.key_averages():
@@ -495,29 +504,15 @@ def section_host(res, device):
         params = params_of(p)
         dy = torch.randn_like(m_base(p))
 
-        def step(fn):
-            fn(p).backward(dy)
-            for t in params:
-                t.grad = None
-
-        def host_ms(fn, calls=1 if DRY else 20):  # enqueue time per call, the GPU drained before and after
-            for _ in range(3):
-                step(fn)
-            torch.cuda.synchronize() if not DRY else None
-            t = time.perf_counter()
-            for _ in range(calls):
-                step(fn)
-            ms = (time.perf_counter() - t) * 1e3 / calls
-            torch.cuda.synchronize() if not DRY else None
-            return ms
-
-        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, host_ms_fused=host_ms(m_fused),
-                   host_ms_base=host_ms(m_base))
+        calls = 1 if DRY else 20
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n,
+                   host_ms_fused=host_enqueue_ms(m_fused, p, dy, params, calls),
+                   host_ms_base=host_enqueue_ms(m_base, p, dy, params, calls))
         steps = 2 if DRY else 50
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(steps):
-            step(m_fused)
+            fwd_bwd_step(m_fused, p, dy, params)
         prof.disable()
         torch.cuda.synchronize() if not DRY else None
         funcs = []

@@ -69,7 +69,8 @@ INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, ge
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the host side of the kernels. `triton.cdiv` is a constexpr function in
-    recent Triton and costs ~2 us per host call; a fused fwd+bwd made ~17 of them."""
+    recent Triton: each host call unwraps its arguments as constexprs, and a fused fwd+bwd made
+    17 of them (KERNELS_NOTES v9, the host profile)."""
     return -(-a // b)
 
 

@@ -20,7 +20,6 @@ own adapter's rank, so small ranks are not padded to the pack's largest one.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
 import torch
@@ -30,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._triton_common import load_adapter, load_keep_mask
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, sm_count
 
 
 @triton.jit
@@ -173,13 +172,6 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
                and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, each looping over several tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _schedule(forward: bool, n: int, n_pairs: int, device: torch.device) -> tuple[int, bool]:
     """(grid size, warp specialisation) of the fused base GEMM, measured per direction on an
     H200 (benchmarks/KERNELS_NOTES.md, v8): the forward ran best persistent (one program per
@@ -187,7 +179,7 @@ def _schedule(forward: bool, n: int, n_pairs: int, device: torch.device) -> tupl
     specialised when the output is wide (N >= 8192); the backward best one program per tile."""
     if not forward:
         return n_pairs, False
-    return min(n_pairs, _sm_count(device)), n >= 8192
+    return min(n_pairs, sm_count(device)), n >= 8192
 
 
 def lora_gemm(

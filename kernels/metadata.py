@@ -1,6 +1,6 @@
 """Per-microbatch metadata of the multi-LoRA kernels, built on the host once per layout.
 
-The adapters themselves travel packed (`multi_lora.pack_adapters`): adapter i's rows start
+The adapters themselves travel packed (`pack.pack_adapters`): adapter i's rows start
 at `r_offset` in one [R_total, in] A and one [R_total, out] B^T, so the kernels read them
 with plain, aligned, vectorisable loads; the table holds offsets, never pointers.
 
@@ -48,7 +48,7 @@ class KernelConfig:
     add_block_n: int = 128
     add_warps: int = 4
     # shrink (S = dropout(x) A^T, dS = scale dY B)
-    shrink_block_m: int = 64  # divides block_m: each tile runs as block_m / shrink_block_m programs
+    shrink_block_m: int = 64  # divides block_m: each tile runs as block_m / shrink_block_m programs (at most; `shrink_blocks`)
     shrink_block_k: int = 64
     shrink_warps: int = 4
     shrink_stages: int = 3
@@ -72,6 +72,37 @@ def cdiv(a: int, b: int) -> int:
     recent Triton: each host call unwraps its arguments as constexprs, and a fused fwd+bwd made
     17 of them (KERNELS_NOTES v9, the host profile)."""
     return -(-a // b)
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; the interpreter (CPU) counts as 4, so that tests
+    see launches of a few programs, each looping over several tiles."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+SHRINK_STAGE_BYTES = 96 * 1024  # shared memory a shrink program's pipeline buffers may take
+
+
+def shrink_blocks(n_tiles: int, rank_blocks_: int, block_r: int, config: KernelConfig, n_sms: int) -> tuple[int, int]:
+    """(rows, K step) of one shrink program, for a layout of `n_tiles` tiles of `config.block_m`
+    rows and `rank_blocks_` rank blocks of `block_r` columns.
+
+    The shrink streams x (or dY) once, one row block per program, and its programs are
+    otherwise independent. With few tiles (2048 tokens: 16 tiles of 128 rows, so 32 programs
+    of 64 rows on a GPU of 132 SMs) most SMs would sit idle while a few stream the whole
+    input. So the rows per program halve, down to 16, until the launch has a program per SM,
+    and the K step doubles with them while a program's pipeline buffers fit in
+    `SHRINK_STAGE_BYTES`: each program still has as many bytes in flight per step.
+    """
+    bm, bk = config.shrink_block_m, config.shrink_block_k
+    while bm > 16 and n_tiles * (config.block_m // bm) * rank_blocks_ < n_sms:
+        bm //= 2
+        if (bm + block_r) * (2 * bk) * 2 * config.shrink_stages <= SHRINK_STAGE_BYTES:  # 16-bit operands
+            bk *= 2
+    return bm, bk
 
 
 def _next_pow2(n: int) -> int:
@@ -143,6 +174,8 @@ class LoRABatchMeta:
     rank_stride: int  # row stride of S / dS ([tokens, rank_stride] in x's dtype)
     block_r: int  # shrink / reduce output rank block
     block_r_expand: int  # expand rank-loop step
+    shrink_block_m: int  # rows of one shrink program (`shrink_blocks`)
+    shrink_block_k: int  # K step of the shrink
     has_dropout: bool
     ranks: tuple[int, ...]
     r_total: int  # rows of the packed adapters: sum of the ranks of adapters with rows
@@ -198,6 +231,7 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
     block_r, block_r_expand = rank_blocks(max(max_rank, 1))
     tiles, chunks, chunk_first, chunk_count = _routing_tables(
         seg_lens, tuple(r > 0 for r in ranks), bm, chunk_rows, device)
+    shrink_m, shrink_k = shrink_blocks(tiles.shape[0], cdiv(max_rank, block_r), block_r, config, sm_count(device))
 
     rows_i, rows_f = [], []
     start = r_offset = 0
@@ -221,6 +255,8 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
         rank_stride=max(16, cdiv(max_rank, 16) * 16),
         block_r=block_r,
         block_r_expand=block_r_expand,
+        shrink_block_m=shrink_m,
+        shrink_block_k=shrink_k,
         has_dropout=any(r > 0 and p > 0 for r, p in zip(ranks, dropout_p)),
         ranks=ranks,
         r_total=r_offset,

@@ -1,6 +1,6 @@
 """Segmented shrink: each tile's rows times its own adapter's low-rank matrix.
 
-The adapters come packed per call (`multi_lora.pack_adapters`): A_i stacked into one
+The adapters come packed per call (`pack.pack_adapters`): A_i stacked into one
 [R_total, in] matrix and B_i^T into one [R_total, out], in x's dtype, adapter i at row
 r_offset_i. Both shrinks read the same layout: row r_offset_i + r, column k.
 
@@ -117,7 +117,7 @@ def lora_shrink(
     if has_dropout:
         assert mask_nibbles is not None and mask_nibbles.shape == (x.shape[0], cdiv(x.shape[1], 4))
     cfg = meta.config
-    split_m = cfg.block_m // cfg.shrink_block_m  # smaller row blocks: more programs in flight
+    split_m = cfg.block_m // meta.shrink_block_m  # smaller row blocks: more programs in flight
     grid = (meta.n_tiles, split_m, cdiv(meta.max_rank, meta.block_r))
     if grid[0] == 0 or grid[2] == 0:
         return out
@@ -128,12 +128,12 @@ def lora_shrink(
         x.stride(0), out.stride(0),
         APPLY_SCALE=apply_scale,
         HAS_DROPOUT=has_dropout,
-        EVEN_K=K % cfg.shrink_block_k == 0,
+        EVEN_K=K % meta.shrink_block_k == 0,
         N_INT_COLS=len(ADAPTER_INT_COLS),
         N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
-        BLOCK_M=cfg.shrink_block_m,
+        BLOCK_M=meta.shrink_block_m,
         BLOCK_R=meta.block_r,
-        BLOCK_K=cfg.shrink_block_k,
+        BLOCK_K=meta.shrink_block_k,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.shrink_stages,
     )

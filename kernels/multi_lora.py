@@ -13,7 +13,7 @@ Saved for backward: x, S ([tokens, rank] in x's dtype), the dropout keep-mask (d
 by the forward shrink, as uint8 nibbles: 1/8 of x's size), the packed adapters and the
 routing tables; no dropped x. W and bias are frozen: no gradient is ever computed for them.
 Each adapter's A and B enter the Function as inputs of their own and are packed into the
-compute dtype inside it (`pack_adapters`); the backward writes all dA into one buffer and all
+compute dtype inside it (`pack.pack_adapters`); the backward writes all dA into one buffer and all
 dB into another and hands each adapter a view of its slice. Autograd then records one node
 per call and each parameter's gradient accumulation, with no cat or reshape nodes between
 them: host time, which is what bounds a call at a few thousand tokens.
@@ -57,18 +57,6 @@ def _check_inputs(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens):
         raise TypeError(f"All adapters must share one dtype, got {sorted(map(str, dtypes))}.")
 
 
-@torch.no_grad()
-def pack_adapters(lora_a, lora_b, dtype):
-    """Adapters as the kernels read them, in the compute dtype: A [R_total, in], the A_i
-    stacked (adapter i from row r_offset_i), and B^T [R_total, out], row-major. B^T is the
-    B_i side by side, transposed once: a few ops whatever the number of adapters (host time:
-    the packing runs in every call). `lora_a`, `lora_b`: the adapters with rows, in order."""
-    a_pack = torch.cat(lora_a).to(dtype)
-    b_side_by_side = torch.cat(lora_b, dim=1)  # [out, R_total]
-    bt_pack = a_pack.new_empty(b_side_by_side.shape[::-1]).copy_(b_side_by_side.t())  # cast and transpose: one copy
-    return a_pack, bt_pack
-
-
 def _base_plus_lora(a, weight, bias, s, lora_pack, meta, forward, mask_nibbles=None):
     """Y = x W^T + b + LoRA (forward) or dX = dY W + LoRA (backward): the base GEMM fused with
     the LoRA term where the config says so and TMA can read the operands, else cuBLAS and the
@@ -89,6 +77,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, meta: LoRABatchMeta, *adapters):
         # adapters: A_0.. then B_0.. of the adapters with rows (meta.ranks > 0), in order
+        from .pack import pack_adapters
         from .shrink import lora_shrink
 
         x = x.contiguous()

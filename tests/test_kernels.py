@@ -13,7 +13,7 @@ import torch
 
 from conftest import use_triton_interpreter
 
-triton = use_triton_interpreter("_triton_common", "shrink", "lora_gemm", "row_reduce", "multi_lora")
+triton = use_triton_interpreter("_triton_common", "pack", "shrink", "lora_gemm", "row_reduce", "multi_lora")
 import triton.language as tl  # noqa: E402
 
 from lora_sweep.kernels import (  # noqa: E402
@@ -30,8 +30,15 @@ from lora_sweep.kernels.dropout import (  # noqa: E402
     philox_randint4x,
 )
 from lora_sweep.kernels.lora_gemm import lora_gemm, reference_lora_gemm  # noqa: E402
-from lora_sweep.kernels.metadata import INTERPRET_CONFIG, LoRABatchMeta, config_for, fuse_base_for  # noqa: E402
-from lora_sweep.kernels.multi_lora import pack_adapters  # noqa: E402
+from lora_sweep.kernels.metadata import (  # noqa: E402
+    INTERPRET_CONFIG,
+    SHRINK_STAGE_BYTES,
+    LoRABatchMeta,
+    config_for,
+    fuse_base_for,
+    shrink_blocks,
+)
+from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters, transpose_cast  # noqa: E402
 from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
 from lora_sweep.kernels.shrink import lora_shrink, reference_lora_shrink  # noqa: E402
 
@@ -41,8 +48,10 @@ CONFIGS = {
     "fused": INTERPRET_CONFIG,
     "cublas_base": dataclasses.replace(INTERPRET_CONFIG, fused_base=False),
     "fused_y_only": dataclasses.replace(INTERPRET_CONFIG, fuse_dx=False),  # dX: cuBLAS + the in-place add
-    # 32-row tiles run as two 16-row shrink programs; 64-row chunks sum partials of several tiles
-    "split_chunks": dataclasses.replace(INTERPRET_CONFIG, block_m=32, shrink_block_m=16, chunk_rows=64),
+    # 32-row tiles; the shrink runs one 32-row program per tile, or two 16-row programs with a
+    # doubled K step where the layout has few tiles (`shrink_blocks`); 64-row chunks sum partials
+    # of several tiles
+    "split_chunks": dataclasses.replace(INTERPRET_CONFIG, block_m=32, shrink_block_m=32, chunk_rows=64),
     # every adapter in one chunk: the reduction writes the gradients directly
     "direct": dataclasses.replace(INTERPRET_CONFIG, chunk_rows=4096),
 }
@@ -182,6 +191,20 @@ def test_widths_tma_cannot_read_fall_back_to_the_in_place_add():
                   fused_base=True)
 
 
+def test_shrink_programs_shrink_where_the_layout_has_few_tiles():
+    cfg = config_for(16, True, True)  # 128-row tiles, 64-row shrink programs, K step 64
+    # 2048 tokens, 4 adapters r16 (16 tiles) on 132 SMs: 16-row programs, K step 256
+    assert shrink_blocks(16, 1, 16, cfg, 132) == (16, 256)
+    # 16384 tokens: 128 tiles already give 256 programs of 64 rows
+    assert shrink_blocks(128, 1, 16, cfg, 132) == (64, 64)
+    # rank blocks of 128 columns: the K step stops growing where the buffers would not fit
+    bm, bk = shrink_blocks(16, 1, 128, config_for(128, True, True), 132)
+    assert bm == 16 and (bm + 128) * bk * 2 * cfg.shrink_stages <= SHRINK_STAGE_BYTES
+    case = random_case(2, 5, max_rows=24)
+    meta = _meta(case, CONFIGS["split_chunks"])  # 2 tiles at most, 4 "SMs" on the interpreter
+    assert (meta.shrink_block_m, meta.shrink_block_k) == (16, 2 * CONFIGS["split_chunks"].shrink_block_k)
+
+
 def test_base_is_fused_only_where_tiles_pad_little():
     assert fuse_base_for([1024] * 4) and fuse_base_for([4096, 100]) and fuse_base_for([128, 0, 256])
     assert not fuse_base_for([64] * 32)  # half of every 128-row tile would be padding
@@ -258,6 +281,23 @@ def _adapters_with_rows(lora_a, lora_b, meta):
     """The A_i and the B_i that the kernels pack: adapters with rows, in order."""
     used = [i for i, r in enumerate(meta.ranks) if r]
     return [lora_a[i] for i in used], [lora_b[i] for i in used]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_adapters_equal_the_reference(dtype):
+    # odd ranks and widths: the transpose's tiles end mid-row and mid-column
+    torch.manual_seed(3)
+    ranks, in_f, out_f = [1, 3, 17, 40, 5], 37, 71
+    lora_a = [torch.randn(r, in_f) for r in ranks]
+    lora_b = [torch.randn(out_f, r) for r in ranks]
+    for got, want in zip(pack_adapters(lora_a, lora_b, dtype), reference_pack_adapters(lora_a, lora_b, dtype)):
+        assert got.dtype == dtype and got.is_contiguous()
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:  # the interpreter's casts to bf16 truncate (a GPU rounds to nearest, as torch)
+            assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=0)
+    src = torch.randn(130, 67)
+    assert torch.equal(transpose_cast(src, torch.float32, block=16), src.t())
 
 
 @pytest.mark.parametrize("config", ["fused", "split_chunks"])

@@ -1,6 +1,6 @@
 """GPU check and benchmark of the fused multi-LoRA kernels (run on the device machine).
 
-    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,profile,host,tune]
+    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,profile,host,blocks,tune]
                                  [--tokens 2048,16384]
 
 Sections:
@@ -15,12 +15,14 @@ Sections:
          bf16, all methods side by side in one process: frozen base linear alone (floor),
          the fused kernels (dropout 0 and 0.05), the torch segmented reference (one base GEMM),
          a PEFT-style loop of separate LoRA linears, torch grouped_mm for the LoRA matmuls;
-         also the fused kernels on the base path the default did not choose for the layout.
+         also the fused kernels on the base path the default did not choose for the layout,
+         and the base and the fused op captured in a CUDA graph (GPU time, no host time).
   lora   32 adapters x 1024 tokens: the LoRA part alone vs the same LoRA matmuls adapter by adapter.
   gemm   one base GEMM with its LoRA term, Y and dX apart: cuBLAS alone, the TMA kernel as a plain
          GEMM, the TMA kernel with the LoRA term, cuBLAS + the in-place LoRA add.
   profile  where one fused fwd+bwd spends its time: per-kernel GPU time, host enqueue time.
   host   where the host time of one fused fwd+bwd goes: cProfile of many calls, by function.
+  blocks the shrink and the row reductions alone: the chosen blocks beside fixed variants.
   tune   block-size / base-path variants of the fused path on a subset of shapes (offline tuning).
 
 Results go to one JSON file (written after every section, so a timeout keeps what was done);
@@ -217,6 +219,31 @@ def host_enqueue_ms(fn, p, dy, params, calls):
     return ms
 
 
+def graphed_fwd_bwd_ms(fn, p):
+    """Median ms of one fwd+bwd captured in a CUDA graph and replayed: the GPU time of the op
+    with its kernels back to back, whatever the host's speed (what a graph-captured training
+    step would pay). Warmed up on a side stream first, as torch's whole-network capture does,
+    so that every cached table is built before capture."""
+    if DRY:
+        return bench_fwd_bwd(fn, p)
+    params = [t for t in params_of(p) if t.requires_grad]
+    dy = torch.randn_like(fn(p))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fwd_bwd_step(fn, p, dy, params)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(p).backward(dy)  # the gradients land in graph memory, overwritten by each replay
+    ms = do_bench(graph.replay)
+    for t in params:
+        t.grad = None
+    del graph
+    return ms
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -334,13 +361,20 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     row["fused_y_only"] = bench_fwd_bwd(lambda q: m_fused(q, y_only), p)
                 pd = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
                 row["fused_dropout"] = bench_fwd_bwd(m_fused, pd)
+                for name, fn in (("base", m_base), ("fused", m_fused)):  # GPU time alone, host time aside
+                    try:
+                        row[name + "_graphed"] = graphed_fwd_bwd_ms(fn, p)
+                    except Exception as e:
+                        row[name + "_graphed"] = None
+                        row[name + "_graphed_error"] = f"{type(e).__name__}: {e}"[:300]
                 del p, pd
                 rows.append(row)
                 print(f"main {in_f}->{out_f} tok={tokens} n={n} r={kind}: base {row['base']:.3f} fused {row['fused']:.3f} "
                       f"({'tma' if row['fused_base'] else 'add'}; other path {row['fused_alt']:.3f}; "
                       f"fused Y only {row.get('fused_y_only', 0):.3f}; "
                       f"p=.05 {row['fused_dropout']:.3f}) segref {row['segref']:.3f} peft {row['peft_loop'] or 0:.3f} "
-                      f"grouped {row['grouped_mm'] or 0:.3f} ms", flush=True)
+                      f"grouped {row['grouped_mm'] or 0:.3f} ms; graphed: base {row['base_graphed'] or 0:.3f} "
+                      f"fused {row['fused_graphed'] or 0:.3f} ms", flush=True)
 
 
 def section_lora(res, device):
@@ -349,7 +383,7 @@ def section_lora(res, device):
     from lora_sweep.kernels.dropout import empty_mask_nibbles
     from lora_sweep.kernels.lora_gemm import lora_gemm
     from lora_sweep.kernels.metadata import LoRABatchMeta
-    from lora_sweep.kernels.multi_lora import pack_adapters
+    from lora_sweep.kernels.pack import pack_adapters
     from lora_sweep.kernels.row_reduce import lora_row_reduce
     from lora_sweep.kernels.shrink import lora_shrink
 
@@ -453,7 +487,8 @@ def section_profile(res, device):
     out = []
     for in_f, out_f, tokens, n, kind in ((4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"),
                                          (4096, 14336, 16384, 4, "16"), (3584, 18944, 16384, 32, "mixed"),
-                                         (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16")):
+                                         (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"),
+                                         (4096, 4096, 2048, 16, "mixed"), (4096, 4096, 2048, 32, "64")):
         if DRY:
             in_f, out_f, tokens = 64, 48, 64
         ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
@@ -530,6 +565,88 @@ def section_host(res, device):
     res["host"] = out
 
 
+SHRINK_VARIANTS = [(64, 64), (32, 128), (16, 256), (16, 128), (16, 64)]  # (rows per program, K step)
+REDUCE_VARIANTS = [(128, 4, 64, None), (64, 4, 64, None), (128, 8, 64, None), (256, 8, 64, None), (128, 8, 32, None),
+                   (128, 4, 64, 32), (128, 4, 64, 64)]  # (column block, warps, rows per step, rank block or the pack's)
+BLOCK_PACKS = [(4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"), (3584, 18944, 2048, 4, "64"),
+               (4096, 4096, 2048, 16, "mixed"),
+               (4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"), (3584, 18944, 16384, 32, "mixed")]
+if DRY:
+    SHRINK_VARIANTS, REDUCE_VARIANTS = [(16, 32), (8, 64)], [(32, 4, 16, None), (16, 4, 16, 16)]
+    BLOCK_PACKS = [(64, 48, 64, 2, "16"), (64, 48, 64, 4, "mixed")]
+
+
+def section_blocks(res, device):
+    """The shrink and the row reductions, each kernel alone: the blocks the metadata chose
+    beside fixed variants, ms and the GB/s of the big operand it streams (x or dY; the copy
+    ceiling is in `ceilings`). Shrink variants are (rows per program, K step); reduction
+    variants (column block, warps, rows per step, rank block). Also the adapters' packing
+    against torch's own (`pack_reference`), GB/s of each element read once and written once."""
+    from lora_sweep.kernels.dropout import empty_mask_nibbles
+    from lora_sweep.kernels.metadata import LoRABatchMeta
+    from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters
+    from lora_sweep.kernels.row_reduce import lora_row_reduce
+    from lora_sweep.kernels.shrink import lora_shrink
+
+    out = []
+    for in_f, out_f, tokens, n, kind in BLOCK_PACKS:
+        ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
+        p = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
+        cfg = meta_mod.config_for(max(ranks), not DRY, meta_mod.fuse_base_for(p["seg_lens"]))
+        meta = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"], p["seed"],
+                                   in_f, out_f, device, cfg)
+        x = p["x"].detach()
+        dy = torch.randn(tokens, out_f, device=device, dtype=x.dtype)
+        a_pack, bt_pack = pack_adapters(p["lora_a"], p["lora_b"], x.dtype)
+        s = torch.randn(tokens, meta.rank_stride, device=device, dtype=x.dtype)
+        mask = empty_mask_nibbles(tokens, in_f, device)
+        lora_shrink(x, a_pack, torch.empty_like(s), meta, apply_scale=False, dropout=True, mask_nibbles=mask)
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, block_m=cfg.block_m,
+                   chosen_shrink=[meta.shrink_block_m, meta.shrink_block_k],
+                   chosen_reduce=[cfg.reduce_block_n, cfg.reduce_warps, cfg.reduce_block_m, meta.block_r])
+        # the per-call packing of the fp32 adapters into bf16 A and B^T, beside torch's (cat, cast, transposing copy)
+        adapter_bytes = 6 * sum(ranks) * (in_f + out_f)  # fp32 read + bf16 write, each element once
+        for name, fn in (("pack", pack_adapters), ("pack_reference", reference_pack_adapters)):
+            ms = do_bench(lambda: fn(p["lora_a"], p["lora_b"], x.dtype))
+            row[name] = dict(ms=ms, GBps=adapter_bytes / ms / 1e6)
+        for name, u, pack, kw in (("S", x, a_pack, dict(apply_scale=False, dropout=True, mask_nibbles=mask)),
+                                  ("dS", dy, bt_pack, dict(apply_scale=True, dropout=False))):
+            for bm, bk in SHRINK_VARIANTS:
+                if cfg.block_m % bm:
+                    continue
+                m = dataclasses.replace(meta, shrink_block_m=bm, shrink_block_k=bk)
+                o = torch.empty_like(s)
+                ms = do_bench(lambda: lora_shrink(u, pack, o, m, **kw))
+                row[f"shrink_{name}_{bm}x{bk}"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+        for name, u, v, out_is_b, kw in (("dB", dy, s, True, {}), ("dA", x, s, False, dict(mask_nibbles=mask))):
+            grad = torch.empty(u.shape[1] * meta.r_total, device=device)
+            if not out_is_b:
+                grad = grad.view(meta.r_total, u.shape[1])
+            for bn, warps, bmr, br in REDUCE_VARIANTS:
+                m = dataclasses.replace(meta, block_r=br or meta.block_r, config=dataclasses.replace(
+                    cfg, reduce_block_n=bn, reduce_warps=warps, reduce_block_m=bmr))
+                try:
+                    ms = do_bench(lambda: lora_row_reduce(u, v, grad, m, out_is_b=out_is_b, **kw))
+                    row[f"reduce_{name}_{bn}n_w{warps}_{bmr}m_r{m.block_r}"] = dict(
+                        ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                except Exception as e:  # a variant that does not compile (shared memory) is recorded
+                    row[f"reduce_{name}_{bn}n_w{warps}_{bmr}m_r{m.block_r}"] = f"{type(e).__name__}: {e}"[:200]
+        out.append(row)
+        best = {}
+        for k, v in row.items():
+            if isinstance(v, dict) and k.startswith(("shrink", "reduce")):
+                kind_ = "_".join(k.split("_")[:2])
+                if kind_ not in best or v["ms"] < best[kind_][1]:
+                    best[kind_] = (k, v["ms"])
+        print(f"blocks {in_f}->{out_f} tok={tokens} n={n} r={kind}: chosen shrink {row['chosen_shrink']}, "
+              f"reduce {row['chosen_reduce']}", flush=True)
+        for k, v in row.items():
+            if isinstance(v, dict):
+                print(f"   {k:34s} {v['ms']:8.4f} ms {v['GBps']:7.0f} GB/s{'  <- best' if best.get('_'.join(k.split('_')[:2]), ('',))[0] == k else ''}",
+                      flush=True)
+    res["blocks"] = out
+
+
 TUNE_GEMMS = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
 if DRY:
     TUNE_GEMMS = [(16, 32, 32, 4, 1), (32, 32, 32, 4, 1)]
@@ -585,6 +702,21 @@ def summarize(res):
         gm = sorted(r["grouped_mm"] / r["fused"] for r in main if r.get("grouped_mm"))
         if gm:
             s["speedup_vs_grouped_mm"] = dict(median=gm[len(gm) // 2], min=gm[0], max=gm[-1])
+        gr = sorted(r["fused_graphed"] / r["base_graphed"] for r in big if r.get("fused_graphed") and r.get("base_graphed"))
+        if gr:
+            s["graphed_fused_over_base"] = dict(median=gr[len(gr) // 2], max=gr[-1], min=gr[0],
+                                                within_1_15=sum(x <= 1.15 for x in gr), of=len(gr))
+        copy_gbps = res.get("ceilings", {}).get("copy_GBps")
+        if copy_gbps:
+            # A bound no kernel design beats: the fp32 adapters read once and their fp32 gradients
+            # written once, at the measured copy rate, on top of the base's own time.
+            floors = []
+            for r in big:
+                adapter_bytes = 2 * 4 * sum(r["ranks"]) * (r["in_f"] + r["out_f"])
+                r["adapter_traffic_floor_ms"] = adapter_bytes / copy_gbps / 1e6
+                floors.append(1 + r["adapter_traffic_floor_ms"] / (r.get("base_graphed") or r["base"]))
+            s["adapter_traffic_floor_over_base"] = dict(above_1_15=sum(f > 1.15 for f in floors), of=len(floors),
+                                                        max=max(floors))
         dr = sorted(r["fused_dropout"] / r["fused"] for r in main if r.get("fused_dropout"))
         if dr:
             s["dropout_cost"] = dict(median=dr[len(dr) // 2], max=dr[-1])
@@ -603,15 +735,17 @@ def summarize(res):
 def print_table(res):
     print("\n== fwd+bwd median ms (bf16, dropout 0 unless noted) ==")
     print(f"{'shape':>12} {'tok':>6} {'n':>3} {'r':>6} | {'base':>7} {'fused':>7} {'x base':>6} {'p=.05':>7} | "
-          f"{'segref':>7} {'x':>5} | {'peft':>7} {'x':>5} | {'grpmm':>7} {'x':>5}")
+          f"{'segref':>7} {'x':>5} | {'peft':>7} {'x':>5} | {'grpmm':>7} {'x':>5} | {'graphed x base':>14}")
     for r in res.get("main", []):
         f = r["fused"]
         def col(k):
             v = r.get(k)
             return f"{v:7.3f} {v / f:5.1f}" if v else f"{'-':>7} {'-':>5}"
+        fg, bg = r.get("fused_graphed"), r.get("base_graphed")
+        graphed = f"{fg / bg:14.2f}" if fg and bg else f"{'-':>14}"
         print(f"{r['in_f']:>5}->{r['out_f']:<6} {r['tokens']:>6} {r['adapters']:>3} {r['rank']:>6} | {r['base']:7.3f} "
               f"{f:7.3f} {f / r['base']:6.2f} {r['fused_dropout']:7.3f} | {col('segref')} | {col('peft_loop')} | "
-              f"{col('grouped_mm')}")
+              f"{col('grouped_mm')} | {graphed}")
     print(json.dumps(res.get("summary", {}), indent=1))
 
 
@@ -655,6 +789,8 @@ def main():
                 section_gemm(res, device)
             elif sec == "lora":
                 section_lora(res, device)
+            elif sec == "blocks":
+                section_blocks(res, device)
             elif sec == "tune":
                 section_tune(res, device, deadline + 120)
         except Exception as e:

@@ -61,7 +61,8 @@ def pack_adapters(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]
     ranks = [a.shape[0] for a in lora_a]
     a_pack = lora_a[0].new_empty(sum(ranks), lora_a[0].shape[1], dtype=dtype)
     torch._foreach_copy_(a_pack.split(ranks), list(lora_a))
-    bt_pack = transpose_cast(torch.cat(list(lora_b), dim=1), dtype)  # B_i side by side [out, R_total], transposed
+    b_side_by_side = lora_b[0] if len(lora_b) == 1 else torch.cat(list(lora_b), dim=1)  # [out, R_total]
+    bt_pack = transpose_cast(b_side_by_side.contiguous(), dtype)
     return a_pack, bt_pack
 
 

@@ -32,7 +32,6 @@ from lora_sweep.kernels.dropout import (  # noqa: E402
 from lora_sweep.kernels.lora_gemm import lora_gemm, reference_lora_gemm  # noqa: E402
 from lora_sweep.kernels.metadata import (  # noqa: E402
     INTERPRET_CONFIG,
-    SHRINK_STAGE_BYTES,
     LoRABatchMeta,
     config_for,
     fuse_base_for,
@@ -193,13 +192,17 @@ def test_widths_tma_cannot_read_fall_back_to_the_in_place_add():
 
 def test_shrink_programs_shrink_where_the_layout_has_few_tiles():
     cfg = config_for(16, True, True)  # 128-row tiles, 64-row shrink programs, K step 64
+    h100 = 232448 * 2 // 3  # two thirds of an H100's shared memory per program
     # 2048 tokens, 4 adapters r16 (16 tiles) on 132 SMs: 16-row programs, K step 256
-    assert shrink_blocks(16, 1, 16, cfg, 132) == (16, 256)
+    assert shrink_blocks(16, 1, 16, cfg, 132, h100) == (16, 256)
     # 16384 tokens: 128 tiles already give 256 programs of 64 rows
-    assert shrink_blocks(128, 1, 16, cfg, 132) == (64, 64)
+    assert shrink_blocks(128, 1, 16, cfg, 132, h100) == (64, 64)
     # rank blocks of 128 columns: the K step stops growing where the buffers would not fit
-    bm, bk = shrink_blocks(16, 1, 128, config_for(128, True, True), 132)
-    assert bm == 16 and (bm + 128) * bk * 2 * cfg.shrink_stages <= SHRINK_STAGE_BYTES
+    cfg128 = config_for(128, True, True)
+    for stage_bytes in (h100, 96 * 1024):
+        bm, bk = shrink_blocks(16, 1, 128, cfg128, 132, stage_bytes)
+        assert bm == 16 and (bm + 128) * bk * 2 * cfg128.shrink_stages <= stage_bytes
+    assert shrink_blocks(16, 1, 128, cfg128, 132, h100) == (16, 128)
     case = random_case(2, 5, max_rows=24)
     meta = _meta(case, CONFIGS["split_chunks"])  # 2 tiles at most, 4 "SMs" on the interpreter
     assert (meta.shrink_block_m, meta.shrink_block_k) == (16, 2 * CONFIGS["split_chunks"].shrink_block_k)
@@ -290,7 +293,10 @@ def test_packed_adapters_equal_the_reference(dtype):
     ranks, in_f, out_f = [1, 3, 17, 40, 5], 37, 71
     lora_a = [torch.randn(r, in_f) for r in ranks]
     lora_b = [torch.randn(out_f, r) for r in ranks]
-    for got, want in zip(pack_adapters(lora_a, lora_b, dtype), reference_pack_adapters(lora_a, lora_b, dtype)):
+    packs = zip(pack_adapters(lora_a, lora_b, dtype), reference_pack_adapters(lora_a, lora_b, dtype),
+                pack_adapters(lora_a[:1], lora_b[:1], dtype), reference_pack_adapters(lora_a[:1], lora_b[:1], dtype))
+    for got, want, got_one, want_one in packs:  # five adapters, and one (no cat)
+        assert torch.equal(got_one, want_one) if dtype == torch.float32 else got_one.shape == want_one.shape
         assert got.dtype == dtype and got.is_contiguous()
         if dtype == torch.float32:
             assert torch.equal(got, want)

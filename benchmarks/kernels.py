@@ -632,18 +632,17 @@ def section_blocks(res, device):
                 except Exception as e:  # a variant that does not compile (shared memory) is recorded
                     row[f"reduce_{name}_{bn}n_w{warps}_{bmr}m_r{m.block_r}"] = f"{type(e).__name__}: {e}"[:200]
         out.append(row)
-        best = {}
-        for k, v in row.items():
-            if isinstance(v, dict) and k.startswith(("shrink", "reduce")):
-                kind_ = "_".join(k.split("_")[:2])
-                if kind_ not in best or v["ms"] < best[kind_][1]:
-                    best[kind_] = (k, v["ms"])
+        timed = {k: v for k, v in row.items() if isinstance(v, dict)}
+        fastest = {}  # per kernel ("shrink_S", "reduce_dB", ...): its fastest variant
+        for k, v in timed.items():
+            kernel = "_".join(k.split("_")[:2])
+            if k.startswith(("shrink", "reduce")) and v["ms"] < timed.get(fastest.get(kernel), {"ms": 1e30})["ms"]:
+                fastest[kernel] = k
         print(f"blocks {in_f}->{out_f} tok={tokens} n={n} r={kind}: chosen shrink {row['chosen_shrink']}, "
               f"reduce {row['chosen_reduce']}", flush=True)
-        for k, v in row.items():
-            if isinstance(v, dict):
-                print(f"   {k:34s} {v['ms']:8.4f} ms {v['GBps']:7.0f} GB/s{'  <- best' if best.get('_'.join(k.split('_')[:2]), ('',))[0] == k else ''}",
-                      flush=True)
+        for k, v in timed.items():
+            mark = "  <- best" if k in fastest.values() else ""
+            print(f"   {k:34s} {v['ms']:8.4f} ms {v['GBps']:7.0f} GB/s{mark}", flush=True)
     res["blocks"] = out
 
 

@@ -600,6 +600,7 @@ def section_blocks(res, device):
         a_pack, bt_pack = pack_adapters(p["lora_a"], p["lora_b"], x.dtype)
         s = torch.randn(tokens, meta.rank_stride, device=device, dtype=x.dtype)
         mask = empty_mask_nibbles(tokens, in_f, device)
+        # the forward shrink stores the dropout mask that the dA reduction below reads
         lora_shrink(x, a_pack, torch.empty_like(s), meta, apply_scale=False, dropout=True, mask_nibbles=mask)
         row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, block_m=cfg.block_m,
                    chosen_shrink=[meta.shrink_block_m, meta.shrink_block_k],

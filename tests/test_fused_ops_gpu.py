@@ -1,7 +1,7 @@
 """On CUDA: the model-level kernels (RMSNorm, SiLU(gate) * up, the chunk cross-entropy) in
 bf16 against a float64 reference on fresh random inputs, outputs and gradients, relative
-error (Frobenius) below 1e-2; the adapters' packing bit for bit against torch's. Skipped without a GPU; run it on one with
-`pytest tests/test_fused_ops_gpu.py`."""
+error (Frobenius) below 1e-2; the adapters' packing bit for bit against torch's. Skipped
+without a GPU; run it on one with `pytest tests/test_fused_ops_gpu.py`."""
 
 from __future__ import annotations
 

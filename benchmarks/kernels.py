@@ -264,6 +264,8 @@ def section_check(res, device):
              dropout=0.05),
         dict(in_f=2048, out_f=512, seg_lens=[5000, 3], ranks=[32, 200], dropout=0.3),
         dict(in_f=999, out_f=745, seg_lens=[700, 300], ranks=[16, 64], dropout=0.1),  # TMA cannot: in-place add
+        # ranks within 32: dS and dB in one pass over dY, several chunks per adapter, an odd width
+        dict(in_f=4096, out_f=11000, seg_lens=[3000, 0, 1, 1500, 77], ranks=[8, 16, 32, 1, 24], dropout=0.1),
     ]
     for k in range(4):  # plus random shapes
         n = rng.randint(1, 12)
@@ -361,7 +363,12 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     row["fused_y_only"] = bench_fwd_bwd(lambda q: m_fused(q, y_only), p)
                 pd = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
                 row["fused_dropout"] = bench_fwd_bwd(m_fused, pd)
-                for name, fn in (("base", m_base), ("fused", m_fused)):  # GPU time alone, host time aside
+                graphed = [("base", m_base), ("fused", m_fused)]
+                default = meta_mod.config_for(max(ranks), not DRY, row["fused_base"])
+                if default.one_pass_dy:  # dS and dB in two passes over dY, as before one_pass_dy
+                    two_pass = dataclasses.replace(default, one_pass_dy=False)
+                    graphed.append(("fused_two_pass", lambda q: m_fused(q, two_pass)))
+                for name, fn in graphed:  # GPU time alone, host time aside
                     try:
                         row[name + "_graphed"] = graphed_fwd_bwd_ms(fn, p)
                     except Exception as e:
@@ -374,7 +381,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"fused Y only {row.get('fused_y_only', 0):.3f}; "
                       f"p=.05 {row['fused_dropout']:.3f}) segref {row['segref']:.3f} peft {row['peft_loop'] or 0:.3f} "
                       f"grouped {row['grouped_mm'] or 0:.3f} ms; graphed: base {row['base_graphed'] or 0:.3f} "
-                      f"fused {row['fused_graphed'] or 0:.3f} ms", flush=True)
+                      f"fused {row['fused_graphed'] or 0:.3f} (two passes over dY "
+                      f"{row.get('fused_two_pass_graphed') or 0:.3f}) ms", flush=True)
 
 
 def section_lora(res, device):
@@ -568,21 +576,47 @@ def section_host(res, device):
 SHRINK_VARIANTS = [(64, 64), (32, 128), (16, 256), (16, 128), (16, 64)]  # (rows per program, K step)
 REDUCE_VARIANTS = [(128, 4, 64, None), (64, 4, 64, None), (128, 8, 64, None), (256, 8, 64, None), (128, 8, 32, None),
                    (128, 4, 64, 32), (128, 4, 64, 64)]  # (column block, warps, rows per step, rank block or the pack's)
+ONE_PASS_VARIANTS = [(256, 8), (128, 4), (128, 8), (64, 4)]  # (columns of dY per program, warps)
 BLOCK_PACKS = [(4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"), (3584, 18944, 2048, 4, "64"),
                (4096, 4096, 2048, 16, "mixed"),
-               (4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"), (3584, 18944, 16384, 32, "mixed")]
+               (4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 4, "32"), (4096, 14336, 16384, 32, "16"),
+               (3584, 18944, 16384, 4, "64"),
+               (4096, 4096, 16384, 32, "mixed"), (3584, 18944, 16384, 32, "mixed")]
 if DRY:
     SHRINK_VARIANTS, REDUCE_VARIANTS = [(16, 32), (8, 64)], [(32, 4, 16, None), (16, 4, 16, 16)]
+    ONE_PASS_VARIANTS = [(16, 4), (32, 4)]
     BLOCK_PACKS = [(64, 48, 64, 2, "16"), (64, 48, 64, 4, "mixed")]
 
 
+def gpu_ms(fn, calls=10):
+    """GPU time of `fn` in ms: `calls` calls captured in one CUDA graph, the replay's median
+    divided by `calls`; no host time, which would bound a single launch of a few microseconds
+    of work. Warmed up (compiled, tables built) before capture. On the CPU dry run, do_bench."""
+    if DRY:
+        return do_bench(fn)
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = do_bench(graph.replay) / calls
+    del graph
+    return ms
+
+
 def section_blocks(res, device):
-    """The shrink and the row reductions, each kernel alone: the blocks the metadata chose
-    beside fixed variants, ms and the GB/s of the big operand it streams (x or dY; the copy
-    ceiling is in `ceilings`). Shrink variants are (rows per program, K step); reduction
-    variants (column block, warps, rows per step, rank block). Also the adapters' packing
-    against torch's own (`pack_reference`), GB/s of each element read once and written once."""
+    """The backward's kernels and the packing alone, GPU time (`gpu_ms`): the blocks the
+    metadata chose beside fixed variants, ms and the GB/s of the big operand streamed (x or dY;
+    the copy ceiling is in `ceilings`). Shrink variants are (rows per program, K step);
+    reduction variants (column block, warps, rows per step, rank block). dS and dB of the
+    two-pass backward (the dS shrink and the dB reduction, chosen blocks) beside the one pass
+    over dY (`ds_db.py`; variants: columns per program, warps). The packing beside torch's
+    (`pack_reference`), and A's packing alone two ways, GB/s of each element read once and
+    written once."""
     from lora_sweep.kernels.dropout import empty_mask_nibbles
+    from lora_sweep.kernels.ds_db import lora_ds_db
     from lora_sweep.kernels.metadata import LoRABatchMeta
     from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters
     from lora_sweep.kernels.row_reduce import lora_row_reduce
@@ -604,12 +638,21 @@ def section_blocks(res, device):
         lora_shrink(x, a_pack, torch.empty_like(s), meta, apply_scale=False, dropout=True, mask_nibbles=mask)
         row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, block_m=cfg.block_m,
                    chosen_shrink=[meta.shrink_block_m, meta.shrink_block_k],
-                   chosen_reduce=[cfg.reduce_block_n, cfg.reduce_warps, cfg.reduce_block_m, meta.block_r])
+                   chosen_reduce_dA=[cfg.reduce_block_n, cfg.reduce_warps, cfg.reduce_block_m, meta.block_r],
+                   chosen_reduce_dB=[cfg.db_block_n, cfg.db_warps, cfg.db_block_m,
+                                     min(meta.block_r, cfg.db_max_block_r)],
+                   chosen_one_pass=[cfg.ds_db_block_n, cfg.ds_db_warps] if cfg.one_pass_dy else None)
         # the per-call packing of the fp32 adapters into bf16 A and B^T, beside torch's (cat, cast, transposing copy)
         adapter_bytes = 6 * sum(ranks) * (in_f + out_f)  # fp32 read + bf16 write, each element once
         for name, fn in (("pack", pack_adapters), ("pack_reference", reference_pack_adapters)):
-            ms = do_bench(lambda: fn(p["lora_a"], p["lora_b"], x.dtype))
+            ms = gpu_ms(lambda: fn(p["lora_a"], p["lora_b"], x.dtype))
             row[name] = dict(ms=ms, GBps=adapter_bytes / ms / 1e6)
+        a_bytes = 6 * sum(ranks) * in_f
+        for name, fn in (("packA_foreach", lambda: torch._foreach_copy_(a_pack.split(ranks), p["lora_a"])),
+                         ("packA_cat_cast", lambda: torch.cat(p["lora_a"]).to(x.dtype))):
+            with torch.no_grad():  # as pack_adapters runs
+                ms = gpu_ms(fn)
+            row[name] = dict(ms=ms, GBps=a_bytes / ms / 1e6)
         for name, u, pack, kw in (("S", x, a_pack, dict(apply_scale=False, dropout=True, mask_nibbles=mask)),
                                   ("dS", dy, bt_pack, dict(apply_scale=True, dropout=False))):
             for bm, bk in SHRINK_VARIANTS:
@@ -617,30 +660,48 @@ def section_blocks(res, device):
                     continue
                 m = dataclasses.replace(meta, shrink_block_m=bm, shrink_block_k=bk)
                 o = torch.empty_like(s)
-                ms = do_bench(lambda: lora_shrink(u, pack, o, m, **kw))
+                ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, **kw))
                 row[f"shrink_{name}_{bm}x{bk}"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+        db = torch.empty(out_f * meta.r_total, device=device)
         for name, u, v, out_is_b, kw in (("dB", dy, s, True, {}), ("dA", x, s, False, dict(mask_nibbles=mask))):
-            grad = torch.empty(u.shape[1] * meta.r_total, device=device)
-            if not out_is_b:
-                grad = grad.view(meta.r_total, u.shape[1])
+            grad = db if out_is_b else torch.empty(meta.r_total, in_f, device=device)
             for bn, warps, bmr, br in REDUCE_VARIANTS:
-                m = dataclasses.replace(meta, block_r=br or meta.block_r, config=dataclasses.replace(
-                    cfg, reduce_block_n=bn, reduce_warps=warps, reduce_block_m=bmr))
+                c = dataclasses.replace(cfg, reduce_block_n=bn, reduce_warps=warps, reduce_block_m=bmr, db_block_n=bn,
+                                        db_warps=warps, db_block_m=bmr, db_max_block_r=br or cfg.db_max_block_r)
+                m = dataclasses.replace(meta, block_r=br or meta.block_r, config=c)
+                block_r = min(m.block_r, c.db_max_block_r) if out_is_b else m.block_r
+                key = f"reduce_{name}_{bn}n_w{warps}_{bmr}m_r{block_r}"
                 try:
-                    ms = do_bench(lambda: lora_row_reduce(u, v, grad, m, out_is_b=out_is_b, **kw))
-                    row[f"reduce_{name}_{bn}n_w{warps}_{bmr}m_r{m.block_r}"] = dict(
-                        ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                    ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, m, out_is_b=out_is_b, **kw))
+                    row[key] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
                 except Exception as e:  # a variant that does not compile (shared memory) is recorded
-                    row[f"reduce_{name}_{bn}n_w{warps}_{bmr}m_r{m.block_r}"] = f"{type(e).__name__}: {e}"[:200]
+                    row[key] = f"{type(e).__name__}: {e}"[:200]
+        # dS and dB: two passes over dY (what the default ran before one_pass_dy) against one
+        two = dataclasses.replace(meta, config=dataclasses.replace(cfg, one_pass_dy=False))
+        ds = torch.empty_like(s)
+
+        def two_pass():
+            lora_shrink(dy, bt_pack, ds, two, apply_scale=True, dropout=False)
+            lora_row_reduce(dy, s, db, two, out_is_b=True)
+
+        dy_bytes = dy.numel() * dy.element_size()
+        ms = gpu_ms(two_pass)
+        row["dSdB_two_pass"] = dict(ms=ms, GBps=dy_bytes / ms / 1e6)
+        for bn, warps in ONE_PASS_VARIANTS:
+            m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_block_n=bn, ds_db_warps=warps))
+            ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
+            row[f"dSdB_one_pass_{bn}n_w{warps}"] = dict(ms=ms, GBps=dy_bytes / ms / 1e6)
         out.append(row)
         timed = {k: v for k, v in row.items() if isinstance(v, dict)}
-        fastest = {}  # per kernel ("shrink_S", "reduce_dB", ...): its fastest variant
+        fastest = {}  # per kernel ("shrink_S", "reduce_dB", "dSdB", ...): its fastest variant
         for k, v in timed.items():
-            kernel = "_".join(k.split("_")[:2])
-            if k.startswith(("shrink", "reduce")) and v["ms"] < timed.get(fastest.get(kernel), {"ms": 1e30})["ms"]:
+            kernel = k.split("_")[0] if k.startswith(("dSdB", "packA")) else "_".join(k.split("_")[:2])
+            if k.startswith(("shrink", "reduce", "dSdB", "packA")) and \
+                    v["ms"] < timed.get(fastest.get(kernel), {"ms": 1e30})["ms"]:
                 fastest[kernel] = k
         print(f"blocks {in_f}->{out_f} tok={tokens} n={n} r={kind}: chosen shrink {row['chosen_shrink']}, "
-              f"reduce {row['chosen_reduce']}", flush=True)
+              f"dA {row['chosen_reduce_dA']}, dB {row['chosen_reduce_dB']}, one pass {row['chosen_one_pass']}",
+              flush=True)
         for k, v in timed.items():
             mark = "  <- best" if k in fastest.values() else ""
             print(f"   {k:34s} {v['ms']:8.4f} ms {v['GBps']:7.0f} GB/s{mark}", flush=True)
@@ -706,6 +767,10 @@ def summarize(res):
         if gr:
             s["graphed_fused_over_base"] = dict(median=gr[len(gr) // 2], max=gr[-1], min=gr[0],
                                                 within_1_15=sum(x <= 1.15 for x in gr), of=len(gr))
+        op = sorted(r["fused_graphed"] / r["fused_two_pass_graphed"] for r in big
+                    if r.get("fused_graphed") and r.get("fused_two_pass_graphed"))
+        if op:  # the whole layer, graphed: one pass over dY for dS and dB against two
+            s["graphed_one_pass_over_two_pass"] = dict(median=op[len(op) // 2], min=op[0], max=op[-1], of=len(op))
         copy_gbps = res.get("ceilings", {}).get("copy_GBps")
         if copy_gbps:
             # A bound no kernel design beats: the fp32 adapters read once and their fp32 gradients

@@ -52,19 +52,28 @@ class KernelConfig:
     shrink_block_k: int = 64
     shrink_warps: int = 4
     shrink_stages: int = 3
-    # row reductions (dB = scale dY^T S, dA = dS^T dropout(x))
+    # row reductions: dA = dS^T dropout(x) (reduce_*) and dB = scale dY^T S (db_*)
     reduce_block_m: int = 64  # rows per step
     reduce_block_n: int = 64
     reduce_warps: int = 4
     reduce_stages: int = 3
+    db_block_m: int = 64
+    db_block_n: int = 128
+    db_warps: int = 4
+    db_max_block_r: int = 64  # dB's rank block is the pack's, up to this
     chunk_rows: int = 1024  # rows per deterministic partial sum; multiple of block_m
+    # dS and dB in one pass over dY (ds_db.py) instead of the dS shrink and the dB reduction;
+    # rows per step db_block_m
+    one_pass_dy: bool = False
+    ds_db_block_n: int = 256  # columns of dY per program
+    ds_db_warps: int = 8
 
 
 # Interpreter (CPU) blocks: small, so that tests run many tiles, K steps and chunks.
 INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, gemm_warps=4,
                                 gemm_stages=1, group_m=2, add_block_n=32, shrink_block_m=16, shrink_block_k=32,
-                                reduce_block_m=16, reduce_block_n=32,
-                                chunk_rows=32)
+                                reduce_block_m=16, reduce_block_n=32, db_block_m=16, db_block_n=16, db_max_block_r=16,
+                                chunk_rows=32, one_pass_dy=True, ds_db_block_n=16)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -140,8 +149,18 @@ def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelCo
     if not on_cuda:
         return INTERPRET_CONFIG if fuse_base else dataclasses.replace(INTERPRET_CONFIG, fused_base=False)
     block_r = rank_blocks(max(max_rank, 1))[0]
+    # The reductions' blocks and the one pass over dY: each kernel alone, GPU time, against
+    # variants (H100, `blocks`, KERNELS_NOTES v11). dA: 8 warps; 32-row steps for rank blocks up
+    # to 32 (16-19% faster than 64 rows, 4 warps, at 16384 tokens), 256 columns for rank blocks
+    # of 128. dB: 128 columns, rank blocks of at most 64 (20-28% faster for mixed ranks than
+    # blocks of 128). dS and dB in one pass over dY where the rank block is at most 32 (30%
+    # faster than two passes at 16384 tokens); at rank 64 the partial sums cost more than dY's
+    # second read.
+    da = {32: (32, 128), 64: (64, 128), 128: (64, 256)}[max(32, block_r)]  # (rows per step, columns)
     shared = dict(shrink_block_m=64, shrink_block_k=64, shrink_warps=4 if block_r <= 64 else 8,
-                  reduce_block_m=64, reduce_block_n=128 if block_r <= 32 else 64, reduce_warps=4, chunk_rows=1024)
+                  reduce_block_m=da[0], reduce_block_n=da[1], reduce_warps=8, db_block_m=64, db_block_n=128,
+                  db_warps=4, db_max_block_r=64, chunk_rows=1024, one_pass_dy=block_r <= 32, ds_db_block_n=256,
+                  ds_db_warps=8)
     if fuse_base:
         # Measured (H200, v8): with the TMA base GEMM and the LoRA term in its accumulator
         # (128x256x64 tiles, 8 warps, 3 stages), a layer's fwd+bwd took 0.77-1.00x the time of

@@ -4,8 +4,8 @@ LoRAFusion's split at the rank-r tensor S, per call:
 
     forward   S  = dropout(x) @ A_i^T                       shrink.py     (mask from the seed, kept)
               Y  = x @ W^T + bias + scale_i * S @ B_i^T      lora_gemm.py  (one output write)
-    backward  dS = scale_i * dY @ B_i                        shrink.py
-              dB = scale_i * dY_i^T @ S_i                    row_reduce.py
+    backward  dS = scale_i * dY @ B_i                        shrink.py     } or both in one pass
+              dB = scale_i * dY_i^T @ S_i                    row_reduce.py } over dY: ds_db.py
               dA = dS_i^T @ dropout(x_i)                     row_reduce.py (mask kept by the shrink)
               dX = dY @ W + mask_i / (1 - p_i) * (dS @ A_i)  lora_gemm.py
 
@@ -97,6 +97,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        from .ds_db import lora_ds_db
         from .row_reduce import lora_row_reduce
         from .shrink import lora_shrink
 
@@ -104,15 +105,19 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         meta = ctx.meta
         dy = dy.contiguous()
         ds = torch.empty_like(s)  # (tokens, rank)
-        lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
-
         adapter_grads = [None] * (len(ctx.needs_input_grad) - 4)
-        if any(ctx.needs_input_grad[4:]):
+        if not any(ctx.needs_input_grad[4:]):
+            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
+        else:
             # every dB_i [out, r_i] one after another in one flat buffer, every dA_i [r_i, in]
             # stacked in another: each adapter's gradient is a contiguous view
             db = torch.empty(dy.shape[1] * meta.r_total, device=x.device, dtype=ctx.grad_dtype)
             da = torch.empty(meta.r_total, x.shape[1], device=x.device, dtype=ctx.grad_dtype)
-            lora_row_reduce(dy, s, db, meta, out_is_b=True)
+            if meta.config.one_pass_dy and meta.max_rank <= meta.block_r:
+                lora_ds_db(dy, s, bt_pack, ds, db, meta)
+            else:
+                lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
+                lora_row_reduce(dy, s, db, meta, out_is_b=True)
             lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
             ranks = [r for r in meta.ranks if r]
             db_blocks = db.split([dy.shape[1] * r for r in ranks])

@@ -6,8 +6,12 @@ B^T [R_total, out]. The adapters themselves stay fp32 parameters of their own, a
 them, so the packing runs in every call and reads every adapter once.
 
 A is one multi-tensor copy (`torch._foreach_copy_`, which casts as it copies) into the
-slices of the packed matrix: each element read once in fp32 and written once in bf16.
-B^T needs a transpose. torch's transposing copy reads along one axis and writes along the
+slices of the packed matrix: each element read once in fp32 and written once in bf16. That
+copy gives each block of its kernel 64k elements of one tensor, so a few small adapters run
+on a few SMs: up to `CAT_CAST_MAX_ELEMENTS` a cat and a cast (two full-width kernels, one
+more fp32 round trip) are faster (GPU time, H100: 0.004 against 0.008 ms for 4 adapters of
+rank 16 at 4096 wide; 0.021 against 0.033 ms the other way for 32 of mixed ranks;
+KERNELS_NOTES v11). B^T needs a transpose. torch's transposing copy reads along one axis and writes along the
 other, at about a quarter of the copy rate, so `_transpose_cast_kernel` moves square tiles
 through registers instead, reading and writing whole rows. Side by side on an H100, packing
 32 adapters of mixed ranks for 3584 -> 18944 took 0.20 ms against torch's 0.45 ms
@@ -23,6 +27,8 @@ import triton
 import triton.language as tl
 
 from .metadata import cdiv
+
+CAT_CAST_MAX_ELEMENTS = 2 ** 21  # A's elements up to which a cat and a cast pack it (module docstring)
 
 
 @triton.jit
@@ -60,8 +66,11 @@ def pack_adapters(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]
     `lora_a`, `lora_b`: the adapters with rows, in order (A_i [r_i, in], B_i [out, r_i]).
     A few ops whatever the number of adapters: host time, since this runs in every call."""
     ranks = [a.shape[0] for a in lora_a]
-    a_pack = lora_a[0].new_empty(sum(ranks), lora_a[0].shape[1], dtype=dtype)
-    torch._foreach_copy_(a_pack.split(ranks), list(lora_a))
+    if sum(ranks) * lora_a[0].shape[1] <= CAT_CAST_MAX_ELEMENTS:
+        a_pack = torch.cat(list(lora_a)).to(dtype)
+    else:
+        a_pack = lora_a[0].new_empty(sum(ranks), lora_a[0].shape[1], dtype=dtype)
+        torch._foreach_copy_(a_pack.split(ranks), list(lora_a))
     b_side_by_side = lora_b[0] if len(lora_b) == 1 else torch.cat(list(lora_b), dim=1)  # [out, R_total]
     bt_pack = transpose_cast(b_side_by_side.contiguous(), dtype)
     return a_pack, bt_pack

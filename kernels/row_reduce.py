@@ -162,7 +162,8 @@ def lora_row_reduce(
     out_is_b: bool,
     mask_nibbles: Optional[torch.Tensor] = None,  # dA with dropout: the forward shrink's mask
 ) -> torch.Tensor:
-    """All adapters' dB (out_is_b) or dA, adapter i at its `r_offset` column or row."""
+    """All adapters' dB (out_is_b) or dA, adapter i at its `r_offset` column or row. dB and dA
+    have blocks of their own (`KernelConfig.reduce_*` and `db_*`)."""
     assert u.is_contiguous() and v.shape == (u.shape[0], meta.rank_stride) and out.is_contiguous()
     assert out.numel() == u.shape[1] * meta.r_total
     has_dropout = (not out_is_b) and meta.has_dropout
@@ -170,13 +171,16 @@ def lora_row_reduce(
         assert mask_nibbles is not None and mask_nibbles.shape == (u.shape[0], cdiv(u.shape[1], 4))
     cfg = meta.config
     N = u.shape[1]
-    n_blocks = cdiv(N, cfg.reduce_block_n)
-    r_blocks = cdiv(meta.max_rank, meta.block_r)
+    block_m, block_n, warps = ((cfg.db_block_m, cfg.db_block_n, cfg.db_warps) if out_is_b
+                               else (cfg.reduce_block_m, cfg.reduce_block_n, cfg.reduce_warps))
+    block_r = min(meta.block_r, cfg.db_max_block_r) if out_is_b else meta.block_r
+    n_blocks = cdiv(N, block_n)
+    r_blocks = cdiv(meta.max_rank, block_r)
     if meta.n_chunks == 0 or r_blocks == 0:
         return out
     direct = meta.max_chunks_per_adapter <= 1
     common = dict(N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
-                  BLOCK_N=cfg.reduce_block_n, BLOCK_R=meta.block_r)
+                  BLOCK_N=block_n, BLOCK_R=block_r)
     part = out if direct else torch.empty(meta.n_chunks, N, meta.rank_stride, device=u.device,
                                           dtype=torch.float32)
     _row_reduce_kernel[(meta.n_chunks, n_blocks, r_blocks)](
@@ -186,8 +190,8 @@ def lora_row_reduce(
         OUT_IS_B=out_is_b,
         DIRECT=direct,
         HAS_DROPOUT=has_dropout,
-        BLOCK_M=cfg.reduce_block_m,
-        num_warps=cfg.reduce_warps,
+        BLOCK_M=block_m,
+        num_warps=warps,
         num_stages=cfg.reduce_stages,
         **common,
     )

@@ -70,9 +70,13 @@ def test_cross_entropy_bf16_against_float64(rows, vocab):
     assert torch.all(got_grad[::5] == 0) and torch.all(got_losses[::5] == 0)
 
 
-@pytest.mark.parametrize("ranks,in_f,out_f", [([16] * 4, 4096, 4096), ([8, 128, 1, 37, 64], 3584, 18944)])
+# A by a cat and a cast (4 x 16 x 4096 elements), and by the multi-tensor copy (694 x 3584, above
+# pack.CAT_CAST_MAX_ELEMENTS)
+@pytest.mark.parametrize("ranks,in_f,out_f", [([16] * 4, 4096, 4096), ([8, 128, 1, 37, 64, 256, 200], 3584, 18944)])
 def test_packed_adapters_equal_torch_bit_for_bit(ranks, in_f, out_f):
-    from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters
+    from lora_sweep.kernels.pack import CAT_CAST_MAX_ELEMENTS, pack_adapters, reference_pack_adapters
+
+    assert (sum(ranks) * in_f > CAT_CAST_MAX_ELEMENTS) == (len(ranks) > 4)
 
     torch.manual_seed(len(ranks))
     lora_a = [torch.randn(r, in_f, device="cuda") for r in ranks]
@@ -80,3 +84,40 @@ def test_packed_adapters_equal_torch_bit_for_bit(ranks, in_f, out_f):
     for got, want in zip(pack_adapters(lora_a, lora_b, torch.bfloat16),
                          reference_pack_adapters(lora_a, lora_b, torch.bfloat16)):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+# ranks within 32 take one pass over dY for dS and dB (ds_db.py), larger ones two passes; empty,
+# one-row and multi-chunk segments, dropout, a width TMA cannot read (in-place add)
+@pytest.mark.parametrize("seg_lens,ranks,in_f,out_f", [
+    ([3000, 0, 1, 1500, 77], [8, 16, 32, 1, 24], 4096, 11000),
+    ([700, 5, 2100], [128, 3, 64], 3584, 4096),
+    ([700, 300], [16, 30], 999, 745),
+])
+def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f):
+    from lora_sweep.kernels import reference_multi_lora_linear, triton_multi_lora_linear
+
+    torch.manual_seed(sum(seg_lens))
+    x = torch.randn(sum(seg_lens), in_f, device="cuda", dtype=torch.float64)
+    weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.float64) / in_f ** 0.5
+    bias = torch.randn(out_f, device="cuda", dtype=torch.float64)
+    lora_a = [torch.randn(r, in_f, device="cuda", dtype=torch.float64) / in_f ** 0.5 for r in ranks]
+    lora_b = [torch.randn(out_f, r, device="cuda", dtype=torch.float64) / r ** 0.5 for r in ranks]  # not zeros
+    scales, dropout_p, seeds = [2.0, 0.5, 1.0, 4.0, 0.25][: len(ranks)], [0.1] * len(ranks), list(range(len(ranks)))
+    dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.float64)
+
+    def run(fn, dtype, adapter_dtype):
+        xs = x.to(dtype).requires_grad_(True)
+        a = [t.to(adapter_dtype).requires_grad_(True) for t in lora_a]
+        b = [t.to(adapter_dtype).requires_grad_(True) for t in lora_b]
+        y = fn(xs, weight.to(dtype), bias.to(dtype), a, b, scales, dropout_p, seg_lens, seeds)
+        grads = torch.autograd.grad(y, [xs] + a + b, dy.to(dtype), allow_unused=True)
+        return [y] + [g for g in grads]
+
+    got = run(triton_multi_lora_linear, torch.bfloat16, torch.float32)
+    want = run(reference_multi_lora_linear, torch.float64, torch.float64)
+    # adapters of 64 rows or more: the gradient of a few rows is a handful of bf16 dot products,
+    # whose cancellation alone can put it 1% off (an adapter without rows gets none)
+    checked = [i for i, rows in enumerate(seg_lens) if rows >= 64]
+    n = len(ranks)
+    for name, k in [("y", 0), ("dx", 1)] + [(f"dA{i}", 2 + i) for i in checked] + [(f"dB{i}", 2 + n + i) for i in checked]:
+        assert rel_err(got[k], want[k]) < 1e-2, name

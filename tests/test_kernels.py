@@ -13,7 +13,8 @@ import torch
 
 from conftest import use_triton_interpreter
 
-triton = use_triton_interpreter("_triton_common", "pack", "shrink", "lora_gemm", "row_reduce", "multi_lora")
+triton = use_triton_interpreter("_triton_common", "pack", "shrink", "lora_gemm", "row_reduce", "ds_db",
+                                "multi_lora")
 import triton.language as tl  # noqa: E402
 
 from lora_sweep.kernels import (  # noqa: E402
@@ -29,6 +30,7 @@ from lora_sweep.kernels.dropout import (  # noqa: E402
     keep_threshold,
     philox_randint4x,
 )
+from lora_sweep.kernels.ds_db import lora_ds_db  # noqa: E402
 from lora_sweep.kernels.lora_gemm import lora_gemm, reference_lora_gemm  # noqa: E402
 from lora_sweep.kernels.metadata import (  # noqa: E402
     INTERPRET_CONFIG,
@@ -37,6 +39,7 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     fuse_base_for,
     shrink_blocks,
 )
+from lora_sweep.kernels import pack as pack_module  # noqa: E402
 from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters, transpose_cast  # noqa: E402
 from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
 from lora_sweep.kernels.shrink import lora_shrink, reference_lora_shrink  # noqa: E402
@@ -53,6 +56,9 @@ CONFIGS = {
     "split_chunks": dataclasses.replace(INTERPRET_CONFIG, block_m=32, shrink_block_m=32, chunk_rows=64),
     # every adapter in one chunk: the reduction writes the gradients directly
     "direct": dataclasses.replace(INTERPRET_CONFIG, chunk_rows=4096),
+    # dS by the shrink and dB by the row reduction, two passes over dY (the other configs take
+    # one pass, `ds_db.py`, wherever every rank fits one rank block)
+    "two_pass_dy": dataclasses.replace(INTERPRET_CONFIG, one_pass_dy=False),
 }
 
 
@@ -287,7 +293,10 @@ def _adapters_with_rows(lora_a, lora_b, meta):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_adapters_equal_the_reference(dtype):
+@pytest.mark.parametrize("a_by", ["cat_cast", "foreach_copy"])
+def test_packed_adapters_equal_the_reference(dtype, a_by, monkeypatch):
+    # A packed by a cat and a cast (small packs), or by the multi-tensor copy (CAT_CAST_MAX_ELEMENTS 0)
+    monkeypatch.setattr(pack_module, "CAT_CAST_MAX_ELEMENTS", 2 ** 21 if a_by == "cat_cast" else 0)
     # odd ranks and widths: the transpose's tiles end mid-row and mid-column
     torch.manual_seed(3)
     ranks, in_f, out_f = [1, 3, 17, 40, 5], 37, 71
@@ -353,6 +362,11 @@ def test_each_kernel_matches_its_reference(config):
                 if g is not None]
         want = torch.cat([g.reshape(-1) if out_is_b else g for g in refs]) if refs else torch.zeros(shape)
         assert_close(got, want, what="dB" if out_is_b else "dA")
+        if out_is_b:  # dS and dB from one pass over dY: the same values as the shrink and the reduction
+            ds_one, db_one = torch.zeros_like(s), torch.zeros(shape)
+            lora_ds_db(dy, s, bt_pack, ds_one, db_one, meta)
+            assert_close(ds_one[:, : ds_ref.shape[1]][rows_with_lora], ds_ref[rows_with_lora], what="one-pass dS")
+            assert_close(db_one, want, what="one-pass dB")
 
 
 # --------------------------------------------------------------------------- public entry point

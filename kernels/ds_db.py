@@ -1,0 +1,174 @@
+"""dS and dB from one pass over dY, for packs of small ranks.
+
+dS   = scale_i * dY @ B_i          ([tokens, rank]; the dX GEMM and dA read it)
+dB_i = scale_i * dY_i^T @ S_i      ([out, r_i])
+
+The two-pass backward reads dY twice: the dS shrink walks row blocks over all columns, the
+dB reduction walks column blocks over a chunk's rows. Here one program owns a (chunk,
+column block) pair and streams the chunk's rows of dY once, with both MMAs on each
+[BLOCK_M, BLOCK_N] tile of it (`_ds_db_kernel`): dB's accumulator stays in registers over
+the rows, as in the row reduction; dS sums over columns, so each column block writes its
+share as an fp32 partial, and `_ds_sum_kernel` adds a row's partials in column order. No
+atomics: the gradients are deterministic, as on the two-pass path.
+
+The partials cost 8 * rank_stride bytes per row per column block (written, then read),
+against the 2 * out bytes per row of dY's second read: a win for small ranks only, which is
+where `config_for` turns it on (`KernelConfig.one_pass_dy`; measured in KERNELS_NOTES v11).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_common import load_adapter
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
+from .row_reduce import _CHUNK_FIRST_COL, _chunk_sum_kernel, _store_grad
+
+
+@triton.jit
+def _ds_db_kernel(
+    # pointers
+    dy_ptr,  # [M, N] rows
+    s_ptr,  # [M, rank_stride] in dY's dtype: the forward's S
+    bt_ptr,  # [R_total, N] packed B^T in dY's dtype; adapter i at row r_offset_i
+    ds_part_ptr,  # fp32 [n_col_blocks, M, rank_stride]: each column block's share of dS (unscaled)
+    db_ptr,  # DIRECT: dB (flat [N, r_i] blocks); else fp32 partials [n_chunks, N, rank_stride]
+    chunks_ptr,  # int64 [n_chunks, 3]: adapter, row_start, row_end
+    adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
+    adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    seeds_ptr,  # int64 [n_adapters] (read by load_adapter, unused here)
+    # sizes
+    M,
+    N,
+    rank_stride,
+    # strides
+    stride_dym,
+    stride_sm,
+    # meta-parameters
+    DIRECT: tl.constexpr,  # every adapter has one chunk: write dB itself, not a partial
+    N_INT_COLS: tl.constexpr,
+    N_FLOAT_COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per step
+    BLOCK_N: tl.constexpr,  # columns of dY per program
+    BLOCK_R: tl.constexpr,  # >= the pack's largest rank: one rank block
+):
+    chunk = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    adapter = tl.load(chunks_ptr + chunk * 3).to(tl.int32)
+    row_start = tl.load(chunks_ptr + chunk * 3 + 1).to(tl.int32)
+    row_end = tl.load(chunks_ptr + chunk * 3 + 2).to(tl.int32)
+    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
+        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    r_mask = offs_r < rank
+    # the adapter's B^T for this column block, [BLOCK_R, BLOCK_N]: read once, used by every row step
+    bt = tl.load(bt_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :],
+                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    ds_part_ptr += pid_n.to(tl.int64) * M * rank_stride
+    db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    for m0 in range(row_start, row_end, BLOCK_M):
+        rows = m0 + offs_m
+        m_mask = rows < row_end
+        dyt = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dym + offs_n[None, :],
+                      mask=m_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+        st = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sm + offs_r[None, :],
+                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+        db_acc = tl.dot(tl.trans(dyt), st, db_acc)
+        ds = tl.dot(dyt, tl.trans(bt))  # [BLOCK_M, BLOCK_R]: this column block's share of the rows' dS
+        tl.store(ds_part_ptr + rows[:, None].to(tl.int64) * rank_stride + offs_r[None, :], ds,
+                 mask=m_mask[:, None] & r_mask[None, :])
+
+    if DIRECT:
+        _store_grad(db_ptr, db_acc * scale, r_offset, rank, offs_n, offs_r, N, True)
+    else:
+        part_ptrs = (db_ptr + chunk.to(tl.int64) * N * rank_stride
+                     + offs_n[:, None].to(tl.int64) * rank_stride + offs_r[None, :])
+        tl.store(part_ptrs, db_acc, mask=n_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _ds_sum_kernel(
+    ds_part_ptr,  # fp32 [n_col_blocks, M, rank_stride]
+    ds_ptr,  # [M, rank_stride] in dY's dtype: dS, written for rows of adapters with LoRA
+    tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
+    adapters_i_ptr,
+    adapters_f_ptr,
+    seeds_ptr,
+    M,
+    rank_stride,
+    n_col_blocks,
+    stride_dsm,
+    N_INT_COLS: tl.constexpr,
+    N_FLOAT_COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program: a divisor of the tile height (grid axis 1 covers the tile)
+    BLOCK_R: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    adapter = tl.load(tiles_ptr + tile * 3).to(tl.int32)
+    row_start = tl.load(tiles_ptr + tile * 3 + 1).to(tl.int32) + tl.program_id(1) * BLOCK_M
+    row_end = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int32)
+    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
+        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+    if rank == 0 or row_start >= row_end:
+        return
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask = (offs_m < row_end)[:, None] & (offs_r < rank)[None, :]
+    ptrs = ds_part_ptr + offs_m[:, None].to(tl.int64) * rank_stride + offs_r[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for _ in range(0, n_col_blocks):  # column order: deterministic
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += M * rank_stride
+    out_ptrs = ds_ptr + offs_m[:, None].to(tl.int64) * stride_dsm + offs_r[None, :]
+    tl.store(out_ptrs, (acc * scale).to(ds_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_ds_db(
+    dy: torch.Tensor,  # [M, N] contiguous
+    s: torch.Tensor,  # [M, meta.rank_stride] in dy's dtype: the forward's S
+    bt_pack: torch.Tensor,  # [R_total, N] in dy's dtype: packed B^T
+    ds: torch.Tensor,  # [M, meta.rank_stride] in dy's dtype: dS, written (rows of adapters without LoRA are not)
+    db: torch.Tensor,  # flat dB: B_i's [N, r_i] block from element N * r_offset_i
+    meta: LoRABatchMeta,
+) -> None:
+    """dS (as `lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)` computes it)
+    and every adapter's dB (as `lora_row_reduce(dy, s, db, meta, out_is_b=True)`), reading dY once.
+    Needs the pack's largest rank within one rank block (`meta.max_rank <= meta.block_r`)."""
+    assert dy.is_contiguous() and bt_pack.is_contiguous() and db.is_contiguous()
+    assert s.shape == ds.shape == (dy.shape[0], meta.rank_stride) and s.dtype == ds.dtype == bt_pack.dtype == dy.dtype
+    assert meta.max_rank <= meta.block_r, "one pass needs every rank within one rank block"
+    cfg = meta.config
+    M, N = dy.shape
+    if meta.n_chunks == 0:
+        return
+    n_col_blocks = cdiv(N, cfg.ds_db_block_n)
+    direct = meta.max_chunks_per_adapter <= 1
+    common = dict(N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_R=meta.block_r)
+    ds_part = torch.empty(n_col_blocks, M, meta.rank_stride, device=dy.device, dtype=torch.float32)
+    db_part = db if direct else torch.empty(meta.n_chunks, N, meta.rank_stride, device=dy.device,
+                                            dtype=torch.float32)
+    _ds_db_kernel[(meta.n_chunks, n_col_blocks)](
+        dy, s, bt_pack, ds_part, db_part, *meta.chunk_args(),
+        M, N, meta.rank_stride,
+        dy.stride(0), s.stride(0),
+        DIRECT=direct,
+        BLOCK_M=cfg.db_block_m,
+        BLOCK_N=cfg.ds_db_block_n,
+        num_warps=cfg.ds_db_warps,
+        num_stages=cfg.reduce_stages,
+        **common,
+    )
+    sum_m = min(32, cfg.block_m)
+    _ds_sum_kernel[(meta.n_tiles, cfg.block_m // sum_m)](
+        ds_part, ds, *meta.args(), M, meta.rank_stride, n_col_blocks, ds.stride(0),
+        BLOCK_M=sum_m, num_warps=4, **common)
+    if not direct:
+        _chunk_sum_kernel[(meta.adapters_i.shape[0], cdiv(N, cfg.ds_db_block_n), 1)](
+            db_part, db, meta.adapters_i, meta.adapters_f, meta.seeds, N, meta.rank_stride,
+            OUT_IS_B=True, CHUNK_FIRST_COL=_CHUNK_FIRST_COL, BLOCK_N=cfg.ds_db_block_n, num_warps=4, **common)

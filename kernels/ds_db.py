@@ -12,8 +12,8 @@ share as an fp32 partial, and `_ds_sum_kernel` adds a row's partials in column o
 atomics: the gradients are deterministic, as on the two-pass path.
 
 The partials cost 8 * rank_stride bytes per row per column block (written, then read),
-against the 2 * out bytes per row of dY's second read: a win for small ranks only, which is
-where `config_for` turns it on (`KernelConfig.one_pass_dy`; measured in KERNELS_NOTES v11).
+against the 2 * out bytes per row of dY's second read: a win for rank blocks of 16 only,
+which is where `config_for` turns it on (`KernelConfig.one_pass_dy`; KERNELS_NOTES v11).
 """
 
 from __future__ import annotations

@@ -387,8 +387,10 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
 
 def section_lora(res, device):
     """LoRA part alone, 32 adapters x 1024 tokens: our kernels (shrink, expand into an existing
-    output, dS, dB, dA, dX LoRA term) vs the same matmuls adapter by adapter (fp32 adapters, as PEFT)."""
+    output, dS, dB, dA, dX LoRA term) vs the same matmuls adapter by adapter (fp32 adapters, as PEFT).
+    Both sides are mostly host time at this size, so the ratio moves with the host."""
     from lora_sweep.kernels.dropout import empty_mask_nibbles
+    from lora_sweep.kernels.ds_db import lora_ds_db
     from lora_sweep.kernels.lora_gemm import lora_gemm
     from lora_sweep.kernels.metadata import LoRABatchMeta
     from lora_sweep.kernels.pack import pack_adapters
@@ -415,10 +417,13 @@ def section_lora(res, device):
             lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask)
             lora_gemm(x, w, None, s, bt_pack, y, meta, forward=True, fused_base=False)
             ds = torch.empty_like(s)
-            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
             db = torch.empty(out_f * meta.r_total, device=device)
             da = torch.empty(meta.r_total, in_f, device=device)
-            lora_row_reduce(dy, s, db, meta, out_is_b=True)
+            if cfg.one_pass_dy:  # as the autograd Function chooses
+                lora_ds_db(dy, s, bt_pack, ds, db, meta)
+            else:
+                lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
+                lora_row_reduce(dy, s, db, meta, out_is_b=True)
             lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask)
             lora_gemm(dy, w, None, ds, a_pack, dx, meta, forward=False, fused_base=False, mask_nibbles=mask)
 

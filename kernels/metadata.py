@@ -150,11 +150,14 @@ def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelCo
         return INTERPRET_CONFIG if fuse_base else dataclasses.replace(INTERPRET_CONFIG, fused_base=False)
     block_r = rank_blocks(max(max_rank, 1))[0]
     # The reductions' blocks and the one pass over dY: each kernel alone, GPU time, against
-    # variants (H100, `blocks`, KERNELS_NOTES v11). dA: 8 warps, 128 columns (256 for rank
-    # blocks of 128): 8-34% faster than 4 warps. dB: 128 columns, rank blocks of at most 64
-    # (20-28% faster for mixed ranks than blocks of 128). dS and dB in one pass over dY where
-    # the rank block is 16 (30% faster than two passes at 16384 tokens); from rank 32 on, its
-    # partial sums cost more than dY's second read (8% slower at 32, 30% at 64).
+    # variants (H100, `blocks`, KERNELS_NOTES v11).
+    # - dA: 8 warps, 128 columns (256 for rank blocks of 128); 7-34% faster than v10's blocks
+    #   in 9 of 10 packs.
+    # - dB: 128 columns, rank blocks of at most 64; 20-28% faster for mixed ranks than blocks
+    #   of 128.
+    # - dS and dB in one pass over dY where the rank block is 16: 30% faster than two passes
+    #   at 16384 tokens. From rank 32 on, its partial sums cost more than dY's second read
+    #   (8% slower at 32, 30% at 64).
     shared = dict(shrink_block_m=64, shrink_block_k=64, shrink_warps=4 if block_r <= 64 else 8,
                   reduce_block_m=64, reduce_block_n=128 if block_r <= 64 else 256, reduce_warps=8, db_block_m=64,
                   db_block_n=128, db_warps=4, db_max_block_r=64, chunk_rows=1024, one_pass_dy=block_r <= 16,

@@ -8,10 +8,12 @@ them, so the packing runs in every call and reads every adapter once.
 A is one multi-tensor copy (`torch._foreach_copy_`, which casts as it copies) into the
 slices of the packed matrix: each element read once in fp32 and written once in bf16. That
 copy gives each block of its kernel 64k elements of one tensor, so a few small adapters run
-on a few SMs: up to `CAT_CAST_MAX_ELEMENTS` a cat and a cast (two full-width kernels, one
-more fp32 round trip) are faster (GPU time, H100: 0.004 against 0.008 ms for 4 adapters of
-rank 16 at 4096 wide; 0.021 against 0.033 ms the other way for 32 of mixed ranks;
-KERNELS_NOTES v11). B^T needs a transpose. torch's transposing copy reads along one axis and writes along the
+on a few SMs. Up to `CAT_CAST_MAX_ELEMENTS` a cat and a cast pack A instead: two kernels
+across the whole GPU, at the cost of one more fp32 round trip. GPU time on an H100
+(KERNELS_NOTES v11): 0.004 against 0.008 ms for 4 adapters of rank 16 at 4096 wide; for 32
+of mixed ranks the multi-tensor copy wins, 0.021 against 0.033 ms.
+
+B^T needs a transpose. torch's transposing copy reads along one axis and writes along the
 other, at about a quarter of the copy rate, so `_transpose_cast_kernel` moves square tiles
 through registers instead, reading and writing whole rows. Side by side on an H100, packing
 32 adapters of mixed ranks for 3584 -> 18944 took 0.20 ms against torch's 0.45 ms

@@ -1,7 +1,8 @@
-"""On CUDA: the model-level kernels (RMSNorm, SiLU(gate) * up, the chunk cross-entropy) in
-bf16 against a float64 reference on fresh random inputs, outputs and gradients, relative
-error (Frobenius) below 1e-2; the adapters' packing bit for bit against torch's. Skipped
-without a GPU; run it on one with `pytest tests/test_fused_ops_gpu.py`."""
+"""On CUDA: the model-level kernels (RMSNorm, SiLU(gate) * up, the chunk cross-entropy) and
+the packed multi-LoRA layer in bf16 against a float64 reference on fresh random inputs,
+outputs and gradients, relative error (Frobenius) below 1e-2; the adapters' packing bit for
+bit against torch's. Skipped without a GPU; run it on one with
+`pytest tests/test_fused_ops_gpu.py`."""
 
 from __future__ import annotations
 
@@ -119,5 +120,6 @@ def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f):
     # whose cancellation alone can put it 1% off (an adapter without rows gets none)
     checked = [i for i, rows in enumerate(seg_lens) if rows >= 64]
     n = len(ranks)
-    for name, k in [("y", 0), ("dx", 1)] + [(f"dA{i}", 2 + i) for i in checked] + [(f"dB{i}", 2 + n + i) for i in checked]:
+    outputs = [("y", 0), ("dx", 1)] + [(f"dA{i}", 2 + i) for i in checked] + [(f"dB{i}", 2 + n + i) for i in checked]
+    for name, k in outputs:
         assert rel_err(got[k], want[k]) < 1e-2, name

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ._triton_common import load_adapter
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
-from .row_reduce import _CHUNK_FIRST_COL, _chunk_sum_kernel, _store_grad
+from .row_reduce import _CHUNK_FIRST_COL, _chunk_sum_kernel, _store_chunk_sum
 
 
 @triton.jit
@@ -84,12 +84,7 @@ def _ds_db_kernel(
         tl.store(ds_part_ptr + rows[:, None].to(tl.int64) * rank_stride + offs_r[None, :], ds,
                  mask=m_mask[:, None] & r_mask[None, :])
 
-    if DIRECT:
-        _store_grad(db_ptr, db_acc * scale, r_offset, rank, offs_n, offs_r, N, True)
-    else:
-        part_ptrs = (db_ptr + chunk.to(tl.int64) * N * rank_stride
-                     + offs_n[:, None].to(tl.int64) * rank_stride + offs_r[None, :])
-        tl.store(part_ptrs, db_acc, mask=n_mask[:, None] & r_mask[None, :])
+    _store_chunk_sum(db_ptr, db_acc, scale, chunk, r_offset, rank, offs_n, offs_r, N, rank_stride, True, DIRECT)
 
 
 @triton.jit

@@ -39,6 +39,20 @@ def _store_grad(out_ptr, acc, r_offset, rank, offs_n, offs_r, N, OUT_IS_B: tl.co
 
 
 @triton.jit
+def _store_chunk_sum(out_ptr, acc, coef, chunk, r_offset, rank, offs_n, offs_r, N, rank_stride,
+                     OUT_IS_B: tl.constexpr, DIRECT: tl.constexpr):
+    """A chunk's sum acc [BLOCK_N, BLOCK_R]: the gradient itself, times coef, where every
+    adapter has one chunk (DIRECT); else its fp32 partial, row `chunk` of [n_chunks, N,
+    rank_stride], which `_chunk_sum_kernel` adds up."""
+    if DIRECT:
+        _store_grad(out_ptr, acc * coef, r_offset, rank, offs_n, offs_r, N, OUT_IS_B)
+    else:
+        part_ptrs = (out_ptr + chunk.to(tl.int64) * N * rank_stride
+                     + offs_n[:, None].to(tl.int64) * rank_stride + offs_r[None, :])
+        tl.store(part_ptrs, acc, mask=(offs_n < N)[:, None] & (offs_r < rank)[None, :])
+
+
+@triton.jit
 def _row_reduce_kernel(
     # pointers
     u_ptr,  # [M, N] rows: dY (for dB) or x (for dA)
@@ -98,16 +112,11 @@ def _row_reduce_kernel(
                      mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
         acc = tl.dot(tl.trans(ut), vt.to(ut.dtype), acc)
 
-    if DIRECT:
-        if OUT_IS_B:
-            coef = scale
-        else:
-            coef = inv_keep
-        _store_grad(out_ptr, acc * coef, r_offset, rank, offs_n, offs_r, N, OUT_IS_B)
+    if OUT_IS_B:
+        coef = scale
     else:
-        part_ptrs = (out_ptr + chunk.to(tl.int64) * N * rank_stride
-                     + offs_n[:, None].to(tl.int64) * rank_stride + offs_r[None, :])
-        tl.store(part_ptrs, acc, mask=n_mask[:, None] & r_mask[None, :])
+        coef = inv_keep
+    _store_chunk_sum(out_ptr, acc, coef, chunk, r_offset, rank, offs_n, offs_r, N, rank_stride, OUT_IS_B, DIRECT)
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Device helpers shared by the multi-LoRA kernels: the adapter table reader, the dropout
+"""Device helpers shared by the multi-LoRA kernels: the tile/chunk and adapter table readers, the dropout
 keep-mask and its stored copy. Not kernels themselves; each kernel file imports what it
 needs.
 
@@ -12,6 +12,16 @@ The per-adapter table is laid out by `metadata.LoRABatchMeta` (column indices th
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def load_row_block(table_ptr, i):
+    """Row i of a tile or chunk table (metadata.TILE_COLS): (adapter, first row, end row),
+    global rows, as int32."""
+    adapter = tl.load(table_ptr + i * 3).to(tl.int32)
+    row_start = tl.load(table_ptr + i * 3 + 1).to(tl.int32)
+    row_end = tl.load(table_ptr + i * 3 + 2).to(tl.int32)
+    return adapter, row_start, row_end
 
 
 @triton.jit

@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import load_adapter
+from ._triton_common import load_adapter, load_row_block
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
-from .row_reduce import _CHUNK_FIRST_COL, _chunk_sum_kernel, _store_chunk_sum
+from .row_reduce import _CHUNK_FIRST_COL, _chunk_sum_kernel, _store_chunk_sum, lora_row_reduce
+from .shrink import lora_shrink
 
 
 @triton.jit
@@ -56,9 +57,7 @@ def _ds_db_kernel(
 ):
     chunk = tl.program_id(0)
     pid_n = tl.program_id(1)
-    adapter = tl.load(chunks_ptr + chunk * 3).to(tl.int32)
-    row_start = tl.load(chunks_ptr + chunk * 3 + 1).to(tl.int32)
-    row_end = tl.load(chunks_ptr + chunk * 3 + 2).to(tl.int32)
+    adapter, row_start, row_end = load_row_block(chunks_ptr, chunk)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
 
@@ -105,9 +104,8 @@ def _ds_sum_kernel(
     BLOCK_R: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    adapter = tl.load(tiles_ptr + tile * 3).to(tl.int32)
-    row_start = tl.load(tiles_ptr + tile * 3 + 1).to(tl.int32) + tl.program_id(1) * BLOCK_M
-    row_end = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int32)
+    adapter, row_start, row_end = load_row_block(tiles_ptr, tile)
+    row_start += tl.program_id(1) * BLOCK_M
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     if rank == 0 or row_start >= row_end:
@@ -167,3 +165,21 @@ def lora_ds_db(
         _chunk_sum_kernel[(meta.adapters_i.shape[0], cdiv(N, cfg.ds_db_block_n), 1)](
             db_part, db, meta.adapters_i, meta.adapters_f, meta.seeds, N, meta.rank_stride,
             OUT_IS_B=True, CHUNK_FIRST_COL=_CHUNK_FIRST_COL, BLOCK_N=cfg.ds_db_block_n, num_warps=4, **common)
+
+
+def lora_ds_and_db(
+    dy: torch.Tensor,
+    s: torch.Tensor,
+    bt_pack: torch.Tensor,
+    ds: torch.Tensor,
+    db: torch.Tensor,
+    meta: LoRABatchMeta,
+) -> None:
+    """dS and every adapter's dB (arguments as `lora_ds_db`): by the one pass where the config
+    takes it (`KernelConfig.one_pass_dy`) and every rank fits one rank block, else by the dS
+    shrink and the dB row reduction."""
+    if meta.config.one_pass_dy and meta.max_rank <= meta.block_r:
+        lora_ds_db(dy, s, bt_pack, ds, db, meta)
+    else:
+        lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
+        lora_row_reduce(dy, s, db, meta, out_is_b=True)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._triton_common import load_adapter, load_keep_mask
+from ._triton_common import load_adapter, load_keep_mask, load_row_block
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, sm_count
 
@@ -133,9 +133,7 @@ def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_
     """A tile's LoRA term in fp32: S_tile @ L_i[:, n block] over its adapter's own rank, times
     scale_i (forward) or masked by the adapter's dropout (backward); zeros for an adapter
     without LoRA. Also returns the tile's row/column offsets and masks, first row and rank."""
-    adapter = tl.load(tiles_ptr + tile * 3).to(tl.int32)
-    row_start = tl.load(tiles_ptr + tile * 3 + 1).to(tl.int32)
-    row_end = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int32)
+    adapter, row_start, row_end = load_row_block(tiles_ptr, tile)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     offs_m = row_start + tl.arange(0, BLOCK_M)

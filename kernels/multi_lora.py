@@ -97,7 +97,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .ds_db import lora_ds_db
+        from .ds_db import lora_ds_and_db
         from .row_reduce import lora_row_reduce
         from .shrink import lora_shrink
 
@@ -113,11 +113,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
             # stacked in another: each adapter's gradient is a contiguous view
             db = torch.empty(dy.shape[1] * meta.r_total, device=x.device, dtype=ctx.grad_dtype)
             da = torch.empty(meta.r_total, x.shape[1], device=x.device, dtype=ctx.grad_dtype)
-            if meta.config.one_pass_dy and meta.max_rank <= meta.block_r:
-                lora_ds_db(dy, s, bt_pack, ds, db, meta)
-            else:
-                lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
-                lora_row_reduce(dy, s, db, meta, out_is_b=True)
+            lora_ds_and_db(dy, s, bt_pack, ds, db, meta)
             lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
             ranks = [r for r in meta.ranks if r]
             db_blocks = db.split([dy.shape[1] * r for r in ranks])

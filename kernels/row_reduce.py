@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import load_adapter, load_keep_mask
+from ._triton_common import load_adapter, load_keep_mask, load_row_block
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
 
@@ -83,9 +83,7 @@ def _row_reduce_kernel(
     chunk = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_r = tl.program_id(2)
-    adapter = tl.load(chunks_ptr + chunk * 3).to(tl.int32)
-    row_start = tl.load(chunks_ptr + chunk * 3 + 1).to(tl.int32)
-    row_end = tl.load(chunks_ptr + chunk * 3 + 2).to(tl.int32)
+    adapter, row_start, row_end = load_row_block(chunks_ptr, chunk)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     r0 = pid_r * BLOCK_R

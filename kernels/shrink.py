@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import keep_nibbles, load_adapter, nibbles_to_mask, store_nibbles
+from ._triton_common import keep_nibbles, load_adapter, load_row_block, nibbles_to_mask, store_nibbles
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
 
@@ -53,11 +53,9 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,  # rank columns per program; grid axis 2 covers the largest rank
     BLOCK_K: tl.constexpr,  # reduction step over K
 ):
-    tile = tl.program_id(0)
-    row_start = tl.load(tiles_ptr + tile * 3 + 1).to(tl.int32) + tl.program_id(1) * BLOCK_M
+    adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
+    row_start += tl.program_id(1) * BLOCK_M  # this program's sub-tile
     pid_r = tl.program_id(2)
-    adapter = tl.load(tiles_ptr + tile * 3).to(tl.int32)
-    row_end = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int32)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     r0 = pid_r * BLOCK_R

@@ -219,29 +219,36 @@ def host_enqueue_ms(fn, p, dy, params, calls):
     return ms
 
 
-def graphed_fwd_bwd_ms(fn, p):
-    """Median ms of one fwd+bwd captured in a CUDA graph and replayed: the GPU time of the op
-    with its kernels back to back, whatever the host's speed (what a graph-captured training
-    step would pay). Warmed up on a side stream first, as torch's whole-network capture does,
-    so that every cached table is built before capture."""
+def gpu_ms(fn, calls=10):
+    """GPU time of `fn` in ms: `calls` calls captured in one CUDA graph, the replay's median
+    divided by `calls`; no host time, which would bound a launch of a few microseconds of
+    work. Warmed up on a side stream first, as torch's whole-network capture does, so that
+    every kernel is compiled and every cached table built before capture. On the CPU dry
+    run, do_bench."""
     if DRY:
-        return bench_fwd_bwd(fn, p)
-    params = [t for t in params_of(p) if t.requires_grad]
-    dy = torch.randn_like(fn(p))
+        return do_bench(fn)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
-            fwd_bwd_step(fn, p, dy, params)
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn(p).backward(dy)  # the gradients land in graph memory, overwritten by each replay
-    ms = do_bench(graph.replay)
-    for t in params:
-        t.grad = None
+        for _ in range(calls):
+            fn()
+    ms = do_bench(graph.replay) / calls
     del graph
     return ms
+
+
+def graphed_fwd_bwd_ms(fn, p):
+    """GPU time of one fwd+bwd (`gpu_ms`): the op's kernels back to back, whatever the host's
+    speed (what a graph-captured training step would pay). The gradients land in graph
+    memory, overwritten by each replay."""
+    params = [t for t in params_of(p) if t.requires_grad]
+    dy = torch.randn_like(fn(p))
+    return gpu_ms(lambda: fwd_bwd_step(fn, p, dy, params), calls=1)
 
 
 def rel_err(a, b):
@@ -358,13 +365,13 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 row["fused_base"] = meta_mod.fuse_base_for(p["seg_lens"])
                 alt = meta_mod.config_for(max(ranks), not DRY, not row["fused_base"])
                 row["fused_alt"] = bench_fwd_bwd(lambda q: m_fused(q, alt), p)
+                default = meta_mod.config_for(max(ranks), not DRY, row["fused_base"])
                 if row["fused_base"]:  # fused Y, dX by cuBLAS + the in-place add
-                    y_only = dataclasses.replace(meta_mod.config_for(max(ranks), not DRY, True), fuse_dx=False)
+                    y_only = dataclasses.replace(default, fuse_dx=False)
                     row["fused_y_only"] = bench_fwd_bwd(lambda q: m_fused(q, y_only), p)
                 pd = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
                 row["fused_dropout"] = bench_fwd_bwd(m_fused, pd)
                 graphed = [("base", m_base), ("fused", m_fused)]
-                default = meta_mod.config_for(max(ranks), not DRY, row["fused_base"])
                 if default.one_pass_dy:  # dS and dB in two passes over dY, as before one_pass_dy
                     two_pass = dataclasses.replace(default, one_pass_dy=False)
                     graphed.append(("fused_two_pass", lambda q: m_fused(q, two_pass)))
@@ -390,7 +397,7 @@ def section_lora(res, device):
     output, dS, dB, dA, dX LoRA term) vs the same matmuls adapter by adapter (fp32 adapters, as PEFT).
     Both sides are mostly host time at this size, so the ratio moves with the host."""
     from lora_sweep.kernels.dropout import empty_mask_nibbles
-    from lora_sweep.kernels.ds_db import lora_ds_db
+    from lora_sweep.kernels.ds_db import lora_ds_and_db
     from lora_sweep.kernels.lora_gemm import lora_gemm
     from lora_sweep.kernels.metadata import LoRABatchMeta
     from lora_sweep.kernels.pack import pack_adapters
@@ -419,11 +426,7 @@ def section_lora(res, device):
             ds = torch.empty_like(s)
             db = torch.empty(out_f * meta.r_total, device=device)
             da = torch.empty(meta.r_total, in_f, device=device)
-            if cfg.one_pass_dy:  # as the autograd Function chooses
-                lora_ds_db(dy, s, bt_pack, ds, db, meta)
-            else:
-                lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
-                lora_row_reduce(dy, s, db, meta, out_is_b=True)
+            lora_ds_and_db(dy, s, bt_pack, ds, db, meta)  # one pass or two, as the autograd Function
             lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask)
             lora_gemm(dy, w, None, ds, a_pack, dx, meta, forward=False, fused_base=False, mask_nibbles=mask)
 
@@ -593,24 +596,6 @@ if DRY:
     BLOCK_PACKS = [(64, 48, 64, 2, "16"), (64, 48, 64, 4, "mixed")]
 
 
-def gpu_ms(fn, calls=10):
-    """GPU time of `fn` in ms: `calls` calls captured in one CUDA graph, the replay's median
-    divided by `calls`; no host time, which would bound a single launch of a few microseconds
-    of work. Warmed up (compiled, tables built) before capture. On the CPU dry run, do_bench."""
-    if DRY:
-        return do_bench(fn)
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    ms = do_bench(graph.replay) / calls
-    del graph
-    return ms
-
-
 def section_blocks(res, device):
     """The backward's kernels and the packing alone, GPU time (`gpu_ms`): the blocks the
     metadata chose beside fixed variants, ms and the GB/s of the big operand streamed (x or dY;
@@ -621,7 +606,7 @@ def section_blocks(res, device):
     (`pack_reference`), and A's packing alone two ways, GB/s of each element read once and
     written once."""
     from lora_sweep.kernels.dropout import empty_mask_nibbles
-    from lora_sweep.kernels.ds_db import lora_ds_db
+    from lora_sweep.kernels.ds_db import lora_ds_and_db, lora_ds_db
     from lora_sweep.kernels.metadata import LoRABatchMeta
     from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters
     from lora_sweep.kernels.row_reduce import lora_row_reduce
@@ -684,13 +669,8 @@ def section_blocks(res, device):
         # dS and dB: two passes over dY (what the default ran before one_pass_dy) against one
         two = dataclasses.replace(meta, config=dataclasses.replace(cfg, one_pass_dy=False))
         ds = torch.empty_like(s)
-
-        def two_pass():
-            lora_shrink(dy, bt_pack, ds, two, apply_scale=True, dropout=False)
-            lora_row_reduce(dy, s, db, two, out_is_b=True)
-
         dy_bytes = dy.numel() * dy.element_size()
-        ms = gpu_ms(two_pass)
+        ms = gpu_ms(lambda: lora_ds_and_db(dy, s, bt_pack, ds, db, two))
         row["dSdB_two_pass"] = dict(ms=ms, GBps=dy_bytes / ms / 1e6)
         for bn, warps in ONE_PASS_VARIANTS:
             m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_block_n=bn, ds_db_warps=warps))

@@ -375,9 +375,13 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 if default.one_pass_dy:  # dS and dB in two passes over dY, as before one_pass_dy
                     two_pass = dataclasses.replace(default, one_pass_dy=False)
                     graphed.append(("fused_two_pass", lambda q: m_fused(q, two_pass)))
+                if len({meta_mod.rank_blocks(r)[0] for r in ranks}) > 1:  # every program on the largest rank block
+                    one_block = dataclasses.replace(default, fit_rank_block=False)
+                    graphed.append(("fused_one_rank_block", lambda q: m_fused(q, one_block)))
+                graphed.append(("fused_dropout", m_fused))  # on pd: every adapter with p = 0.05
                 for name, fn in graphed:  # GPU time alone, host time aside
                     try:
-                        row[name + "_graphed"] = graphed_fwd_bwd_ms(fn, p)
+                        row[name + "_graphed"] = graphed_fwd_bwd_ms(fn, pd if name == "fused_dropout" else p)
                     except Exception as e:
                         row[name + "_graphed"] = None
                         row[name + "_graphed_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -389,7 +393,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"p=.05 {row['fused_dropout']:.3f}) segref {row['segref']:.3f} peft {row['peft_loop'] or 0:.3f} "
                       f"grouped {row['grouped_mm'] or 0:.3f} ms; graphed: base {row['base_graphed'] or 0:.3f} "
                       f"fused {row['fused_graphed'] or 0:.3f} (two passes over dY "
-                      f"{row.get('fused_two_pass_graphed') or 0:.3f}) ms", flush=True)
+                      f"{row.get('fused_two_pass_graphed') or 0:.3f}; one rank block "
+                      f"{row.get('fused_one_rank_block_graphed') or 0:.3f}; p=.05 "
+                      f"{row.get('fused_dropout_graphed') or 0:.3f}) ms", flush=True)
 
 
 def section_lora(res, device):
@@ -604,7 +610,9 @@ def section_blocks(res, device):
     two-pass backward (the dS shrink and the dB reduction, chosen blocks) beside the one pass
     over dY (`ds_db.py`; variants: columns per program, warps). The packing beside torch's
     (`pack_reference`), and A's packing alone two ways, GB/s of each element read once and
-    written once."""
+    written once. Beside the chosen blocks: the forward shrink without dropout (what drawing
+    the mask costs, `shrink_S_no_dropout`), and, in packs of mixed rank blocks, every program on
+    the pack's largest rank block (`*_one_rank_block`, `KernelConfig.fit_rank_block` off)."""
     from lora_sweep.kernels.dropout import empty_mask_nibbles
     from lora_sweep.kernels.ds_db import lora_ds_and_db, lora_ds_db
     from lora_sweep.kernels.metadata import LoRABatchMeta
@@ -632,6 +640,12 @@ def section_blocks(res, device):
                    chosen_reduce_dB=[cfg.db_block_n, cfg.db_warps, cfg.db_block_m,
                                      min(meta.block_r, cfg.db_max_block_r)],
                    chosen_one_pass=[cfg.ds_db_block_n, cfg.ds_db_warps] if cfg.one_pass_dy else None)
+        # the same pack without dropout, and with every program on the pack's largest rank block
+        # where some adapter's own block is smaller (`KernelConfig.fit_rank_block`)
+        no_dropout = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], [0.0] * n, p["seed"],
+                                         in_f, out_f, device, cfg)
+        fits_differ = len({meta_mod.rank_blocks(r)[0] for r in ranks}) > 1
+        one_block = dataclasses.replace(meta, config=dataclasses.replace(cfg, fit_rank_block=False))
         # the per-call packing of the fp32 adapters into bf16 A and B^T, beside torch's (cat, cast, transposing copy)
         adapter_bytes = 6 * sum(ranks) * (in_f + out_f)  # fp32 read + bf16 write, each element once
         for name, fn in (("pack", pack_adapters), ("pack_reference", reference_pack_adapters)):
@@ -652,6 +666,14 @@ def section_blocks(res, device):
                 o = torch.empty_like(s)
                 ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, **kw))
                 row[f"shrink_{name}_{bm}x{bk}"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+            if name == "S":  # the chosen blocks without dropout: what drawing the mask costs
+                o = torch.empty_like(s)
+                ms = gpu_ms(lambda: lora_shrink(u, pack, o, no_dropout, apply_scale=False, dropout=False))
+                row["shrink_S_no_dropout"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+            if fits_differ:  # the chosen blocks, every program on the pack's largest rank block
+                o = torch.empty_like(s)
+                ms = gpu_ms(lambda: lora_shrink(u, pack, o, one_block, **kw))
+                row[f"shrink_{name}_one_rank_block"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
         db = torch.empty(out_f * meta.r_total, device=device)
         for name, u, v, out_is_b, kw in (("dB", dy, s, True, {}), ("dA", x, s, False, dict(mask_nibbles=mask))):
             grad = db if out_is_b else torch.empty(meta.r_total, in_f, device=device)
@@ -666,6 +688,9 @@ def section_blocks(res, device):
                     row[key] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
                 except Exception as e:  # a variant that does not compile (shared memory) is recorded
                     row[key] = f"{type(e).__name__}: {e}"[:200]
+            if fits_differ:
+                ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, one_block, out_is_b=out_is_b, **kw))
+                row[f"reduce_{name}_one_rank_block"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
         # dS and dB: two passes over dY (what the default ran before one_pass_dy) against one
         two = dataclasses.replace(meta, config=dataclasses.replace(cfg, one_pass_dy=False))
         ds = torch.empty_like(s)
@@ -681,7 +706,7 @@ def section_blocks(res, device):
         fastest = {}  # per kernel ("shrink_S", "reduce_dB", "dSdB", ...): its fastest variant
         for k, v in timed.items():
             kernel = k.split("_")[0] if k.startswith(("dSdB", "packA")) else "_".join(k.split("_")[:2])
-            if k.startswith(("shrink", "reduce", "dSdB", "packA")) and \
+            if k.startswith(("shrink", "reduce", "dSdB", "packA")) and "no_dropout" not in k and \
                     v["ms"] < timed.get(fastest.get(kernel), {"ms": 1e30})["ms"]:
                 fastest[kernel] = k
         print(f"blocks {in_f}->{out_f} tok={tokens} n={n} r={kind}: chosen shrink {row['chosen_shrink']}, "
@@ -756,6 +781,19 @@ def summarize(res):
                     if r.get("fused_graphed") and r.get("fused_two_pass_graphed"))
         if op:  # the whole layer, graphed: one pass over dY for dS and dB against two
             s["graphed_one_pass_over_two_pass"] = dict(median=op[len(op) // 2], min=op[0], max=op[-1], of=len(op))
+        dg = sorted(r["fused_dropout_graphed"] / r["fused_graphed"] for r in big
+                    if r.get("fused_graphed") and r.get("fused_dropout_graphed"))
+        if dg:  # the whole layer, graphed: dropout 0.05 on every adapter against none
+            s["graphed_dropout_cost"] = dict(median=dg[len(dg) // 2], min=dg[0], max=dg[-1], of=len(dg))
+            gd = sorted(r["fused_dropout_graphed"] / r["base_graphed"] for r in big
+                        if r.get("fused_dropout_graphed") and r.get("base_graphed"))
+            s["graphed_fused_dropout_over_base"] = dict(median=gd[len(gd) // 2], max=gd[-1], min=gd[0],
+                                                        within_1_15=sum(x <= 1.15 for x in gd), of=len(gd))
+        fr = sorted(r["fused_graphed"] / r["fused_one_rank_block_graphed"] for r in big
+                    if r.get("fused_graphed") and r.get("fused_one_rank_block_graphed"))
+        if fr:  # the whole layer, graphed: each adapter's own rank block against the pack's largest
+            s["graphed_fit_rank_block_over_one_rank_block"] = dict(median=fr[len(fr) // 2], min=fr[0], max=fr[-1],
+                                                                   of=len(fr))
         copy_gbps = res.get("ceilings", {}).get("copy_GBps")
         if copy_gbps:
             # A bound no kernel design beats: the fp32 adapters read once and their fp32 gradients

@@ -24,6 +24,24 @@ def load_row_block(table_ptr, i):
     return adapter, row_start, row_end
 
 
+# Rank blocks of a program: powers of two from MIN_RANK_BLOCK (Triton's dot needs 16) up to
+# the pack's block (at most 128, `metadata.rank_blocks`), so RANK_BLOCK_SIZES sizes at most.
+MIN_RANK_BLOCK = tl.constexpr(16)
+RANK_BLOCK_SIZES = tl.constexpr(4)
+
+
+@triton.jit
+def fit_rank_block(rank_left, BLOCK_R: tl.constexpr):
+    """The smallest rank block from MIN_RANK_BLOCK up to BLOCK_R (powers of two) that holds
+    `rank_left` columns, or BLOCK_R if none does: an adapter's own rank block in a pack whose
+    largest one is BLOCK_R. Programs branch on it to a body compiled for each size."""
+    fit = tl.full((), BLOCK_R, tl.int32)
+    for halvings in tl.static_range(1, RANK_BLOCK_SIZES):
+        if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:
+            fit = tl.where(rank_left <= (BLOCK_R >> halvings), BLOCK_R >> halvings, fit)
+    return fit
+
+
 @triton.jit
 def load_adapter(adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS: tl.constexpr,
                  N_FLOAT_COLS: tl.constexpr):

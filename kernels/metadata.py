@@ -36,6 +36,9 @@ class KernelConfig:
     """Block sizes and path choices of one call; from `config_for` (cached per largest rank)."""
 
     block_m: int = 128  # rows per tile, all kernels; a segment pads to a multiple of it
+    # shrinks and row reductions: each adapter's programs take the smallest rank block that holds
+    # its rank (`fit_rank_block`), not the pack's largest
+    fit_rank_block: bool = True
     # the base GEMM fused with the LoRA term (lora_gemm.py, `fused_base`)
     gemm_block_n: int = 256
     gemm_block_k: int = 64

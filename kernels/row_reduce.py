@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import load_adapter, load_keep_mask, load_row_block
+from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, load_adapter, load_keep_mask,
+                             load_row_block)
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
 
@@ -78,7 +79,8 @@ def _row_reduce_kernel(
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # the largest rank block; grid axis 2 covers the largest rank
+    FIT_RANK_BLOCK: tl.constexpr,  # each adapter's programs take the smallest rank block holding its rank
 ):
     chunk = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -89,7 +91,23 @@ def _row_reduce_kernel(
     r0 = pid_r * BLOCK_R
     if r0 >= rank:
         return
+    # the adapter's own rank block (as in the shrink): one body per block size, one run
+    fit = fit_rank_block(rank - r0, BLOCK_R) if FIT_RANK_BLOCK else BLOCK_R
+    for halvings in tl.static_range(RANK_BLOCK_SIZES):
+        if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:
+            if fit == BLOCK_R >> halvings:
+                _reduce_rows(u_ptr, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_end, r0, rank, threshold,
+                             r_offset, scale, inv_keep, N, rank_stride, n_groups, stride_um, stride_vm, OUT_IS_B,
+                             DIRECT, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R >> halvings)
 
+
+@triton.jit
+def _reduce_rows(u_ptr, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_end, r0, rank, threshold, r_offset,
+                 scale, inv_keep, N, rank_stride, n_groups, stride_um, stride_vm, OUT_IS_B: tl.constexpr,
+                 DIRECT: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    """One program's sum over its chunk's rows, columns pid_n * BLOCK_N .. and rank columns
+    r0 .. r0 + BLOCK_R."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     n_mask = offs_n < N
@@ -197,6 +215,7 @@ def lora_row_reduce(
         OUT_IS_B=out_is_b,
         DIRECT=direct,
         HAS_DROPOUT=has_dropout,
+        FIT_RANK_BLOCK=cfg.fit_rank_block,
         BLOCK_M=block_m,
         num_warps=warps,
         num_stages=cfg.reduce_stages,

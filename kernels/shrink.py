@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import keep_nibbles, load_adapter, load_row_block, nibbles_to_mask, store_nibbles
+from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, keep_nibbles, load_adapter,
+                             load_row_block, nibbles_to_mask, store_nibbles)
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
 
@@ -51,6 +52,7 @@ def _shrink_kernel(
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program: the tile table's block_m / grid axis 1
     BLOCK_R: tl.constexpr,  # rank columns per program; grid axis 2 covers the largest rank
+    FIT_RANK_BLOCK: tl.constexpr,  # each adapter's program takes the smallest rank block holding its rank
     BLOCK_K: tl.constexpr,  # reduction step over K
 ):
     adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
@@ -61,7 +63,23 @@ def _shrink_kernel(
     r0 = pid_r * BLOCK_R
     if r0 >= rank or row_start >= row_end:  # no LoRA here, rank block past its rank, or sub-tile past the segment
         return
+    # the adapter's own rank block, so that a rank-8 adapter in a pack of rank 128 does not run
+    # 128-wide MMAs: the body is compiled once per block size and each program runs one
+    fit = fit_rank_block(rank - r0, BLOCK_R) if FIT_RANK_BLOCK else BLOCK_R
+    for halvings in tl.static_range(RANK_BLOCK_SIZES):
+        if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:  # compile-time: smaller blocks do not exist
+            if fit == BLOCK_R >> halvings:
+                _shrink_rows(x_ptr, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed,
+                             threshold, r_offset, scale, inv_keep, pid_r, K, n_groups, stride_xm, stride_om,
+                             APPLY_SCALE, HAS_DROPOUT, EVEN_K, BLOCK_M, BLOCK_R >> halvings, BLOCK_K)
 
+
+@triton.jit
+def _shrink_rows(x_ptr, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed, threshold,
+                 r_offset, scale, inv_keep, pid_r, K, n_groups, stride_xm, stride_om, APPLY_SCALE: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """One program's rows and rank columns r0 .. r0 + BLOCK_R of S (or dS)."""
     offs_m = row_start + tl.arange(0, BLOCK_M)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
@@ -131,6 +149,7 @@ def lora_shrink(
         N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
         BLOCK_M=meta.shrink_block_m,
         BLOCK_R=meta.block_r,
+        FIT_RANK_BLOCK=cfg.fit_rank_block,
         BLOCK_K=meta.shrink_block_k,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.shrink_stages,

@@ -23,7 +23,7 @@ from lora_sweep.kernels import (  # noqa: E402
     reference_multi_lora_linear,
     triton_multi_lora_linear,
 )
-from lora_sweep.kernels._triton_common import keep_mask  # noqa: E402
+from lora_sweep.kernels._triton_common import fit_rank_block, keep_mask  # noqa: E402
 from lora_sweep.kernels.dropout import (  # noqa: E402
     empty_mask_nibbles,
     keep_mask_from_nibbles,
@@ -59,6 +59,9 @@ CONFIGS = {
     # dS by the shrink and dB by the row reduction, two passes over dY (the other configs take
     # one pass, `ds_db.py`, wherever every rank fits one rank block)
     "two_pass_dy": dataclasses.replace(INTERPRET_CONFIG, one_pass_dy=False),
+    # every program of the shrinks and reductions runs the pack's largest rank block (the others
+    # take their adapter's own, `fit_rank_block`)
+    "one_rank_block": dataclasses.replace(INTERPRET_CONFIG, fit_rank_block=False),
 }
 
 
@@ -112,6 +115,12 @@ def test_keep_mask_bit_equal_to_kernel(rows, cols, p, seed):
 def test_keep_mask_rate_and_seeding():
     m = dropout_keep_mask(3, 256, 256, 0.25)
     assert abs(m.float().mean().item() - 0.75) < 0.01
+    # every column position keeps at the rate, independently of its neighbour (another word of
+    # the same Philox draw): 8192 samples per position of a group of eight, 5 sigma ~ 0.024
+    by_position = m.float().reshape(256, 32, 8)
+    assert (by_position.mean(dim=(0, 1)) - 0.75).abs().max().item() < 0.025
+    both = (by_position[..., 0::2] * by_position[..., 1::2]).mean(dim=(0, 1))
+    assert (both - 0.75**2).abs().max().item() < 0.03
     assert torch.equal(m, dropout_keep_mask(3, 256, 256, 0.25))
     assert not torch.equal(m, dropout_keep_mask(4, 256, 256, 0.25))
     # a segment's first rows do not depend on how many rows follow
@@ -180,6 +189,27 @@ def test_matches_reference_forty_adapters():
 def test_large_ranks_span_several_rank_blocks():
     # rank 130 > the shrink's 128-wide block and > the expand's 64-wide rank step
     case = random_case(3, 11, in_f=24, out_f=20, max_rows=20, ranks=(130, 5))
+    check_against_reference(case, CONFIGS["fused"])
+
+
+@triton.jit
+def _fit_rank_block_kernel(left_ptr, out_ptr, BLOCK_R: tl.constexpr):
+    i = tl.program_id(0)
+    tl.store(out_ptr + i, fit_rank_block(tl.load(left_ptr + i), BLOCK_R))
+
+
+@pytest.mark.parametrize("block_r", [16, 32, 64, 128])
+def test_each_adapter_takes_the_smallest_rank_block_holding_its_rank(block_r):
+    left = torch.arange(1, 2 * block_r + 2, dtype=torch.int32)
+    got = torch.zeros_like(left)
+    _fit_rank_block_kernel[(left.numel(),)](left, got, BLOCK_R=block_r)
+    want = [min(block_r, max(16, 1 << (r - 1).bit_length())) for r in left.tolist()]
+    assert got.tolist() == want
+
+
+def test_mixed_ranks_take_every_rank_block_size():
+    # in a pack whose largest rank block is 128, ranks of each block size 16..128 and a second block
+    case = random_case(12, 13, in_f=24, out_f=20, max_rows=20, ranks=(5, 20, 40, 100, 130))
     check_against_reference(case, CONFIGS["fused"])
 
 

@@ -242,13 +242,34 @@ def gpu_ms(fn, calls=10):
     return ms
 
 
-def graphed_fwd_bwd_ms(fn, p):
-    """GPU time of one fwd+bwd (`gpu_ms`): the op's kernels back to back, whatever the host's
-    speed (what a graph-captured training step would pay). The gradients land in graph
-    memory, overwritten by each replay."""
+def fwd_bwd_fn(fn, p):
+    """One fwd+bwd of `fn` on pack `p` as a closure. The gradients land in graph memory,
+    overwritten by each replay."""
     params = [t for t in params_of(p) if t.requires_grad]
     dy = torch.randn_like(fn(p))
-    return gpu_ms(lambda: fwd_bwd_step(fn, p, dy, params), calls=1)
+    return lambda: fwd_bwd_step(fn, p, dy, params)
+
+
+def interleaved_fwd_bwd_ms(methods, rounds=3):
+    """GPU time of one fwd+bwd of each method ({name: (fn, pack)}): the op's kernels back to
+    back in a CUDA graph (`gpu_ms`), whatever the host's speed (what a graph-captured training
+    step would pay). The methods are timed in turn, `rounds` times, and each gets the median
+    of its rounds: an H100's clock fell from 1980 to 1470 MHz within seconds of fwd+bwd at
+    16384 x 4096 -> 14336 (KERNELS_NOTES v12), which favoured whichever method was timed
+    first. Each round captures its graph anew and frees it after (with the graphs of one row
+    all kept alive, a replay hit an illegal memory access: v12). A method that fails gets
+    None and its error under `<name>_error`."""
+    out, times = {}, {name: [] for name in methods}
+    for _ in range(1 if DRY else rounds):
+        for name, (fn, p) in methods.items():
+            if name in out:  # failed in an earlier round
+                continue
+            try:
+                times[name].append(gpu_ms(fwd_bwd_fn(fn, p), calls=1))
+            except Exception as e:  # recorded, not fatal
+                out[name], out[name + "_error"] = None, f"{type(e).__name__}: {e}"[:300]
+    out.update({name: sorted(t)[len(t) // 2] for name, t in times.items() if name not in out})
+    return out
 
 
 def rel_err(a, b):
@@ -371,20 +392,17 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     row["fused_y_only"] = bench_fwd_bwd(lambda q: m_fused(q, y_only), p)
                 pd = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
                 row["fused_dropout"] = bench_fwd_bwd(m_fused, pd)
-                graphed = [("base", m_base), ("fused", m_fused)]
+                graphed = dict(base=(m_base, p), fused=(m_fused, p))
                 if default.one_pass_dy:  # dS and dB in two passes over dY, as before one_pass_dy
                     two_pass = dataclasses.replace(default, one_pass_dy=False)
-                    graphed.append(("fused_two_pass", lambda q: m_fused(q, two_pass)))
+                    graphed["fused_two_pass"] = (lambda q: m_fused(q, two_pass), p)
                 if len({meta_mod.rank_blocks(r)[0] for r in ranks}) > 1:  # every program on the largest rank block
                     one_block = dataclasses.replace(default, fit_rank_block=False)
-                    graphed.append(("fused_one_rank_block", lambda q: m_fused(q, one_block)))
-                graphed.append(("fused_dropout", m_fused))  # on pd: every adapter with p = 0.05
-                for name, fn in graphed:  # GPU time alone, host time aside
-                    try:
-                        row[name + "_graphed"] = graphed_fwd_bwd_ms(fn, pd if name == "fused_dropout" else p)
-                    except Exception as e:
-                        row[name + "_graphed"] = None
-                        row[name + "_graphed_error"] = f"{type(e).__name__}: {e}"[:300]
+                    graphed["fused_one_rank_block"] = (lambda q: m_fused(q, one_block), p)
+                graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
+                # GPU time alone, host time aside, the methods in turn
+                for k, v in interleaved_fwd_bwd_ms(graphed).items():
+                    row[k[: -len("_error")] + "_graphed_error" if k.endswith("_error") else k + "_graphed"] = v
                 del p, pd
                 rows.append(row)
                 print(f"main {in_f}->{out_f} tok={tokens} n={n} r={kind}: base {row['base']:.3f} fused {row['fused']:.3f} "

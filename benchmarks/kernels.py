@@ -121,6 +121,12 @@ def make_pack(in_f, out_f, tokens, n, ranks, dropout, device, dtype=None, seed=0
                 dropout_p=dropout_p, seg_lens=seg_lens, seed=seeds)
 
 
+def rank_blocks_differ(ranks):
+    """Whether some adapter's own rank block is smaller than the pack's largest: where
+    `KernelConfig.fit_rank_block` changes what the kernels run."""
+    return len({meta_mod.rank_blocks(r)[0] for r in ranks}) > 1
+
+
 def params_of(p):
     return [p["x"]] + [t for pair in zip(p["lora_a"], p["lora_b"]) for t in pair if t is not None]
 
@@ -257,19 +263,18 @@ def interleaved_fwd_bwd_ms(methods, rounds=3):
     of its rounds: an H100's clock fell from 1980 to 1470 MHz within seconds of fwd+bwd at
     16384 x 4096 -> 14336 (KERNELS_NOTES v12), which favoured whichever method was timed
     first. Each round captures its graph anew and frees it after (with the graphs of one row
-    all kept alive, a replay hit an illegal memory access: v12). A method that fails gets
-    None and its error under `<name>_error`."""
-    out, times = {}, {name: [] for name in methods}
+    all kept alive, a replay hit an illegal memory access: v12). Returns ({name: ms}, {name:
+    error}); a method that fails gets None and its error."""
+    times, errors = {name: [] for name in methods}, {}
     for _ in range(1 if DRY else rounds):
         for name, (fn, p) in methods.items():
-            if name in out:  # failed in an earlier round
+            if name in errors:  # failed in an earlier round
                 continue
             try:
                 times[name].append(gpu_ms(fwd_bwd_fn(fn, p), calls=1))
             except Exception as e:  # recorded, not fatal
-                out[name], out[name + "_error"] = None, f"{type(e).__name__}: {e}"[:300]
-    out.update({name: sorted(t)[len(t) // 2] for name, t in times.items() if name not in out})
-    return out
+                errors[name] = f"{type(e).__name__}: {e}"[:300]
+    return {name: None if name in errors else sorted(t)[len(t) // 2] for name, t in times.items()}, errors
 
 
 def rel_err(a, b):
@@ -396,13 +401,14 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 if default.one_pass_dy:  # dS and dB in two passes over dY, as before one_pass_dy
                     two_pass = dataclasses.replace(default, one_pass_dy=False)
                     graphed["fused_two_pass"] = (lambda q: m_fused(q, two_pass), p)
-                if len({meta_mod.rank_blocks(r)[0] for r in ranks}) > 1:  # every program on the largest rank block
+                if rank_blocks_differ(ranks):  # every program on the largest rank block
                     one_block = dataclasses.replace(default, fit_rank_block=False)
                     graphed["fused_one_rank_block"] = (lambda q: m_fused(q, one_block), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
                 # GPU time alone, host time aside, the methods in turn
-                for k, v in interleaved_fwd_bwd_ms(graphed).items():
-                    row[k[: -len("_error")] + "_graphed_error" if k.endswith("_error") else k + "_graphed"] = v
+                ms, errors = interleaved_fwd_bwd_ms(graphed)
+                row.update({k + "_graphed": v for k, v in ms.items()})
+                row.update({k + "_graphed_error": e for k, e in errors.items()})
                 del p, pd
                 rows.append(row)
                 print(f"main {in_f}->{out_f} tok={tokens} n={n} r={kind}: base {row['base']:.3f} fused {row['fused']:.3f} "
@@ -662,7 +668,7 @@ def section_blocks(res, device):
         # where some adapter's own block is smaller (`KernelConfig.fit_rank_block`)
         no_dropout = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], [0.0] * n, p["seed"],
                                          in_f, out_f, device, cfg)
-        fits_differ = len({meta_mod.rank_blocks(r)[0] for r in ranks}) > 1
+        fits_differ = rank_blocks_differ(ranks)
         one_block = dataclasses.replace(meta, config=dataclasses.replace(cfg, fit_rank_block=False))
         # the per-call packing of the fp32 adapters into bf16 A and B^T, beside torch's (cat, cast, transposing copy)
         adapter_bytes = 6 * sum(ranks) * (in_f + out_f)  # fp32 read + bf16 write, each element once

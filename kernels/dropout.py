@@ -1,8 +1,9 @@
 """The dropout mask of the LoRA branch, drawn from a seed by a counter-based generator.
 
 The mask is Philox4x32-10 exactly as Triton's `tl.randint(seed, offset)` computes it, here
-in plain torch integer ops, so the fused kernels regenerate it in registers (forward and
-backward, nothing stored) and this module reproduces it bit for bit on any device.
+in plain torch integer ops: the forward shrink draws it in registers (and stores it as
+nibbles for the backward, `_triton_common`), and this module reproduces it bit for bit on
+any device.
 
 One Philox call gives four 32-bit words (`tl.randint4x`), so one call serves four
 neighbouring columns: element (row, col) of an adapter's segment takes word `col % 4` of the

@@ -127,6 +127,14 @@ def rank_blocks_differ(ranks):
     return len({meta_mod.rank_blocks(r)[0] for r in ranks}) > 1
 
 
+def chunks_split(p, config):
+    """Whether the reductions of pack `p` take chunks shorter than `config.chunk_rows`
+    (`metadata.reduce_chunk_rows`), so that every SM has a program."""
+    meta = meta_mod.LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
+                                        p["seed"], p["weight"].shape[1], p["weight"].shape[0], p["x"].device, config)
+    return meta.chunk_rows < config.chunk_rows
+
+
 def params_of(p):
     return [p["x"]] + [t for pair in zip(p["lora_a"], p["lora_b"]) for t in pair if t is not None]
 
@@ -404,6 +412,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 if rank_blocks_differ(ranks):  # every program on the largest rank block
                     one_block = dataclasses.replace(default, fit_rank_block=False)
                     graphed["fused_one_rank_block"] = (lambda q: m_fused(q, one_block), p)
+                if chunks_split(p, default):  # the reductions' chunks of config.chunk_rows rows, however few
+                    whole_chunks = dataclasses.replace(default, chunks_fill_sms=False)
+                    graphed["fused_whole_chunks"] = (lambda q: m_fused(q, whole_chunks), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
                 # GPU time alone, host time aside, the methods in turn
                 ms, errors = interleaved_fwd_bwd_ms(graphed)
@@ -418,7 +429,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"grouped {row['grouped_mm'] or 0:.3f} ms; graphed: base {row['base_graphed'] or 0:.3f} "
                       f"fused {row['fused_graphed'] or 0:.3f} (two passes over dY "
                       f"{row.get('fused_two_pass_graphed') or 0:.3f}; one rank block "
-                      f"{row.get('fused_one_rank_block_graphed') or 0:.3f}; p=.05 "
+                      f"{row.get('fused_one_rank_block_graphed') or 0:.3f}; whole chunks "
+                      f"{row.get('fused_whole_chunks_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}) ms", flush=True)
 
 
@@ -615,7 +627,8 @@ SHRINK_VARIANTS = [(64, 64), (32, 128), (16, 256), (16, 128), (16, 64)]  # (rows
 REDUCE_VARIANTS = [(128, 4, 64, None), (64, 4, 64, None), (128, 8, 64, None), (256, 8, 64, None), (128, 8, 32, None),
                    (128, 4, 64, 32), (128, 4, 64, 64)]  # (column block, warps, rows per step, rank block or the pack's)
 ONE_PASS_VARIANTS = [(256, 8), (128, 4), (128, 8), (64, 4)]  # (columns of dY per program, warps)
-BLOCK_PACKS = [(4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"), (3584, 18944, 2048, 4, "64"),
+CHUNK_VARIANTS = [1024, 512, 256, 128]  # rows per chunk of the reductions
+BLOCK_PACKS = [(4096, 4096, 2048, 1, "16"), (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"), (3584, 18944, 2048, 4, "64"),
                (4096, 4096, 2048, 16, "mixed"),
                (4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 4, "32"), (4096, 14336, 16384, 32, "16"),
                (3584, 18944, 16384, 4, "64"),
@@ -623,6 +636,7 @@ BLOCK_PACKS = [(4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"), (3584
 if DRY:
     SHRINK_VARIANTS, REDUCE_VARIANTS = [(16, 32), (8, 64)], [(32, 4, 16, None), (16, 4, 16, 16)]
     ONE_PASS_VARIANTS = [(16, 4), (32, 4)]
+    CHUNK_VARIANTS = [32, 16]
     BLOCK_PACKS = [(64, 48, 64, 2, "16"), (64, 48, 64, 4, "mixed")]
 
 
@@ -725,17 +739,33 @@ def section_blocks(res, device):
             m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_block_n=bn, ds_db_warps=warps))
             ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
             row[f"dSdB_one_pass_{bn}n_w{warps}"] = dict(ms=ms, GBps=dy_bytes / ms / 1e6)
+        # the reductions' chunks: fixed rows per chunk beside the chosen (`reduce_chunk_rows`)
+        row["chosen_chunk_rows"] = meta.chunk_rows
+        grad_a = torch.empty(meta.r_total, in_f, device=device)
+        for rows in CHUNK_VARIANTS:
+            c = dataclasses.replace(cfg, chunk_rows=rows, chunks_fill_sms=False)
+            m = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"], p["seed"],
+                                    in_f, out_f, device, c)
+            ms = gpu_ms(lambda: lora_ds_and_db(dy, s, bt_pack, ds, db, m))
+            row[f"chunks_dSdB_{rows}"] = dict(ms=ms, GBps=dy_bytes / ms / 1e6)
+            ms = gpu_ms(lambda: lora_row_reduce(x, s, grad_a, m, out_is_b=False, mask_nibbles=mask))
+            row[f"chunks_dA_{rows}"] = dict(ms=ms, GBps=x.numel() * x.element_size() / ms / 1e6)
+            if m.max_chunks_per_adapter > 1:  # the partials summed in stage 1's blocks, as before v13
+                m1 = dataclasses.replace(m, config=dataclasses.replace(
+                    c, chunk_sum_values=c.reduce_block_n * m.block_r))
+                ms = gpu_ms(lambda: lora_row_reduce(x, s, grad_a, m1, out_is_b=False, mask_nibbles=mask))
+                row[f"chunks_dA_{rows}_stage1_sum_blocks"] = dict(ms=ms, GBps=x.numel() * x.element_size() / ms / 1e6)
         out.append(row)
         timed = {k: v for k, v in row.items() if isinstance(v, dict)}
         fastest = {}  # per kernel ("shrink_S", "reduce_dB", "dSdB", ...): its fastest variant
         for k, v in timed.items():
             kernel = k.split("_")[0] if k.startswith(("dSdB", "packA")) else "_".join(k.split("_")[:2])
-            if k.startswith(("shrink", "reduce", "dSdB", "packA")) and "no_dropout" not in k and \
+            if k.startswith(("shrink", "reduce", "dSdB", "packA", "chunks")) and "no_dropout" not in k and \
                     v["ms"] < timed.get(fastest.get(kernel), {"ms": 1e30})["ms"]:
                 fastest[kernel] = k
         print(f"blocks {in_f}->{out_f} tok={tokens} n={n} r={kind}: chosen shrink {row['chosen_shrink']}, "
-              f"dA {row['chosen_reduce_dA']}, dB {row['chosen_reduce_dB']}, one pass {row['chosen_one_pass']}",
-              flush=True)
+              f"dA {row['chosen_reduce_dA']}, dB {row['chosen_reduce_dB']}, one pass {row['chosen_one_pass']}, "
+              f"chunks of {row['chosen_chunk_rows']} rows", flush=True)
         for k, v in timed.items():
             mark = "  <- best" if k in fastest.values() else ""
             print(f"   {k:34s} {v['ms']:8.4f} ms {v['GBps']:7.0f} GB/s{mark}", flush=True)
@@ -818,6 +848,11 @@ def summarize(res):
         if fr:  # the whole layer, graphed: each adapter's own rank block against the pack's largest
             s["graphed_fit_rank_block_over_one_rank_block"] = dict(median=fr[len(fr) // 2], min=fr[0], max=fr[-1],
                                                                    of=len(fr))
+        fc = sorted(r["fused_graphed"] / r["fused_whole_chunks_graphed"] for r in big
+                    if r.get("fused_graphed") and r.get("fused_whole_chunks_graphed"))
+        if fc:  # the whole layer, graphed: the reductions' chunks shortened to fill the SMs, against whole
+            s["graphed_chunks_fill_sms_over_whole_chunks"] = dict(median=fc[len(fc) // 2], min=fc[0], max=fc[-1],
+                                                                  of=len(fc))
         copy_gbps = res.get("ceilings", {}).get("copy_GBps")
         if copy_gbps:
             # A bound no kernel design beats: the fp32 adapters read once and their fp32 gradients

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from ._triton_common import load_adapter, load_row_block
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
-from .row_reduce import _CHUNK_FIRST_COL, _chunk_sum_kernel, _store_chunk_sum, lora_row_reduce
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, takes_one_pass
+from .row_reduce import _store_chunk_sum, chunk_sum, lora_row_reduce
 from .shrink import lora_shrink
 
 
@@ -162,9 +162,7 @@ def lora_ds_db(
         ds_part, ds, *meta.args(), M, meta.rank_stride, n_col_blocks, ds.stride(0),
         BLOCK_M=sum_m, num_warps=4, **common)
     if not direct:
-        _chunk_sum_kernel[(meta.adapters_i.shape[0], cdiv(N, cfg.ds_db_block_n), 1)](
-            db_part, db, meta.adapters_i, meta.adapters_f, meta.seeds, N, meta.rank_stride,
-            OUT_IS_B=True, CHUNK_FIRST_COL=_CHUNK_FIRST_COL, BLOCK_N=cfg.ds_db_block_n, num_warps=4, **common)
+        chunk_sum(db_part, db, meta, N, meta.block_r, out_is_b=True)
 
 
 def lora_ds_and_db(
@@ -178,7 +176,7 @@ def lora_ds_and_db(
     """dS and every adapter's dB (arguments as `lora_ds_db`): by the one pass where the config
     takes it (`KernelConfig.one_pass_dy`) and every rank fits one rank block, else by the dS
     shrink and the dB row reduction."""
-    if meta.config.one_pass_dy and meta.max_rank <= meta.block_r:
+    if takes_one_pass(meta.config, meta.max_rank, meta.block_r):
         lora_ds_db(dy, s, bt_pack, ds, db, meta)
     else:
         lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)

@@ -64,7 +64,10 @@ class KernelConfig:
     db_block_n: int = 128
     db_warps: int = 4
     db_max_block_r: int = 64  # dB's rank block is the pack's, up to this
-    chunk_rows: int = 1024  # rows per deterministic partial sum; multiple of block_m
+    chunk_rows: int = 1024  # rows per deterministic partial sum at most; multiple of block_m
+    # fewer rows per chunk where a layout has too few chunks to give every SM a program (`reduce_chunk_rows`)
+    chunks_fill_sms: bool = True
+    chunk_sum_values: int = 2048  # fp32 accumulator of one program that adds the chunks' partials up
     # dS and dB in one pass over dY (ds_db.py) instead of the dS shrink and the dB reduction;
     # rows per step db_block_m
     one_pass_dy: bool = False
@@ -76,7 +79,7 @@ class KernelConfig:
 INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, gemm_warps=4,
                                 gemm_stages=1, group_m=2, add_block_n=32, shrink_block_m=16, shrink_block_k=32,
                                 reduce_block_m=16, reduce_block_n=32, db_block_m=16, db_block_n=16, db_max_block_r=16,
-                                chunk_rows=32, one_pass_dy=True, ds_db_block_n=16)
+                                chunk_rows=32, chunk_sum_values=256, one_pass_dy=True, ds_db_block_n=16)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -125,6 +128,41 @@ def shrink_blocks(n_tiles: int, n_rank_blocks: int, block_r: int, config: Kernel
         if (bm + block_r) * (2 * bk) * 2 * config.shrink_stages <= stage_bytes:
             bk *= 2
     return bm, bk
+
+
+def reduce_chunk_rows(seg_lens: Sequence[int], has_lora: Sequence[bool], programs_per_chunk: int,
+                      config: KernelConfig, n_sms: int) -> int:
+    """Rows per chunk of the row reductions (dA, dB, the one pass over dY) for a layout whose
+    larger reduction grid runs `programs_per_chunk` programs per chunk.
+
+    A reduction runs one program per (chunk, column block) that sums its chunk's rows, and an
+    adapter of one chunk gets its gradient written directly. With `config.chunk_rows` rows
+    per chunk, 2048 tokens of one adapter make two chunks: at 4096^2 the one pass over dY
+    then runs 32 programs and dA 64, on a GPU of 132 SMs. So the rows per chunk halve, down
+    to `block_m`, while even the larger grid has fewer programs than half the SMs
+    (`config.chunks_fill_sms`). Each halving costs a second launch per reduction, which
+    adds the partials up, and 4 x rank bytes per column per chunk written and read again.
+    Measured on an H200 (KERNELS_NOTES v13), each reduction alone: at 2048 x 4096^2, one
+    adapter of rank 16, dS + dB and dA took 0.043 ms in chunks of 512 rows against 0.063 in
+    chunks of 1024; with four adapters (dA 128 programs, the one pass 64) chunks of 256
+    gained 2 us, which the whole layer lost again to the second launches.
+    """
+    def n_chunks(rows):
+        return sum(cdiv(int(s), rows) for s, lora in zip(seg_lens, has_lora) if lora)
+
+    rows = config.chunk_rows
+    if not config.chunks_fill_sms or programs_per_chunk < 1:
+        return rows
+    while (rows // 2 >= config.block_m and (rows // 2) % config.block_m == 0
+           and 2 * n_chunks(rows) * programs_per_chunk < n_sms):
+        rows //= 2
+    return rows
+
+
+def takes_one_pass(config: KernelConfig, max_rank: int, block_r: int) -> bool:
+    """Whether dS and dB come from one pass over dY (`ds_db.py`): where the config takes it
+    (`one_pass_dy`) and every rank fits one rank block."""
+    return config.one_pass_dy and max_rank <= block_r
 
 
 def _next_pow2(n: int) -> int:
@@ -202,6 +240,7 @@ class LoRABatchMeta:
     adapters_f: torch.Tensor  # fp32 [n_adapters, len(ADAPTER_FLOAT_COLS)]
     n_tiles: int
     n_chunks: int
+    chunk_rows: int  # rows per chunk at most (`reduce_chunk_rows`)
     max_chunks_per_adapter: int
     max_rank: int
     rank_stride: int  # row stride of S / dS ([tokens, rank_stride] in x's dtype)
@@ -257,13 +296,21 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
                    out_features: int, device: torch.device, config: KernelConfig) -> LoRABatchMeta:
     """Every table of a call but the seeds; cached, since all layers of one shape in a
     microbatch share it (and a model has only a few shapes)."""
-    bm, chunk_rows = config.block_m, config.chunk_rows
-    if chunk_rows % bm:
-        raise ValueError(f"`chunk_rows` ({chunk_rows}) must be a multiple of `block_m` ({bm}).")
+    bm = config.block_m
+    if config.chunk_rows % bm:
+        raise ValueError(f"`chunk_rows` ({config.chunk_rows}) must be a multiple of `block_m` ({bm}).")
     max_rank = max(ranks, default=0)
     block_r, block_r_expand = rank_blocks(max(max_rank, 1))
-    tiles, chunks, chunk_first, chunk_count = _routing_tables(
-        seg_lens, tuple(r > 0 for r in ranks), bm, chunk_rows, device)
+    # the larger of the reduction grids, programs per chunk: dA's, or dB's or the one pass's
+    r_blocks = cdiv(max_rank, block_r)
+    da_programs = cdiv(in_features, config.reduce_block_n) * r_blocks
+    if takes_one_pass(config, max_rank, block_r):
+        db_programs = cdiv(out_features, config.ds_db_block_n)
+    else:
+        db_programs = cdiv(out_features, config.db_block_n) * cdiv(max_rank, min(block_r, config.db_max_block_r))
+    has_lora = tuple(r > 0 for r in ranks)
+    chunk_rows = reduce_chunk_rows(seg_lens, has_lora, max(da_programs, db_programs), config, sm_count(device))
+    tiles, chunks, chunk_first, chunk_count = _routing_tables(seg_lens, has_lora, bm, chunk_rows, device)
     shrink_m, shrink_k = shrink_blocks(tiles.shape[0], cdiv(max_rank, block_r), block_r, config, sm_count(device),
                                        shrink_stage_bytes(device))
 
@@ -284,6 +331,7 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
         adapters_f=_table(rows_f, len(ADAPTER_FLOAT_COLS), torch.float32, device),
         n_tiles=tiles.shape[0],
         n_chunks=chunks.shape[0],
+        chunk_rows=chunk_rows,
         max_chunks_per_adapter=max(chunk_count, default=0),
         max_rank=max_rank,
         rank_stride=max(16, cdiv(max_rank, 16) * 16),

@@ -204,8 +204,6 @@ def lora_row_reduce(
     if meta.n_chunks == 0 or r_blocks == 0:
         return out
     direct = meta.max_chunks_per_adapter <= 1
-    common = dict(N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
-                  BLOCK_N=block_n, BLOCK_R=block_r)
     part = out if direct else torch.empty(meta.n_chunks, N, meta.rank_stride, device=u.device,
                                           dtype=torch.float32)
     _row_reduce_kernel[(meta.n_chunks, n_blocks, r_blocks)](
@@ -216,22 +214,39 @@ def lora_row_reduce(
         DIRECT=direct,
         HAS_DROPOUT=has_dropout,
         FIT_RANK_BLOCK=cfg.fit_rank_block,
+        N_INT_COLS=len(ADAPTER_INT_COLS),
+        N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
         BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
         num_warps=warps,
         num_stages=cfg.reduce_stages,
-        **common,
     )
     if not direct:
-        n_adapters = meta.adapters_i.shape[0]
-        _chunk_sum_kernel[(n_adapters, n_blocks, r_blocks)](
-            part, out, meta.adapters_i, meta.adapters_f, meta.seeds,
-            N, meta.rank_stride,
-            OUT_IS_B=out_is_b,
-            CHUNK_FIRST_COL=_CHUNK_FIRST_COL,
-            num_warps=4,
-            **common,
-        )
+        chunk_sum(part, out, meta, N, block_r, out_is_b)
     return out
+
+
+def chunk_sum(part: torch.Tensor, out: torch.Tensor, meta: LoRABatchMeta, N: int, block_r: int, out_is_b: bool):
+    """Stage 2: each adapter's gradient, the sum of its chunks' fp32 partials (`part`, [n_chunks,
+    N, rank_stride]) in chunk order, times its scale (dB) or 1 / (1 - p) (dA), into `out`.
+
+    Its columns per program are its own, not the first stage's: an fp32 accumulator of
+    `chunk_sum_values` (2048 on GPU, 16 registers a thread, so 128 columns of a rank block of
+    16 and 16 of one of 128). Stage 1's 256 columns of a 128-wide rank block made 256
+    registers a thread and spilled (KERNELS_NOTES v13)."""
+    block_n = max(16, meta.config.chunk_sum_values // block_r)
+    _chunk_sum_kernel[(meta.adapters_i.shape[0], cdiv(N, block_n), cdiv(meta.max_rank, block_r))](
+        part, out, meta.adapters_i, meta.adapters_f, meta.seeds,
+        N, meta.rank_stride,
+        OUT_IS_B=out_is_b,
+        N_INT_COLS=len(ADAPTER_INT_COLS),
+        N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
+        CHUNK_FIRST_COL=_CHUNK_FIRST_COL,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        num_warps=4,
+    )
 
 
 def reference_lora_row_reduce(

@@ -37,6 +37,7 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     LoRABatchMeta,
     config_for,
     fuse_base_for,
+    reduce_chunk_rows,
     shrink_blocks,
 )
 from lora_sweep.kernels import pack as pack_module  # noqa: E402
@@ -54,8 +55,9 @@ CONFIGS = {
     # doubled K step where the layout has few tiles (`shrink_blocks`); 64-row chunks sum partials
     # of several tiles
     "split_chunks": dataclasses.replace(INTERPRET_CONFIG, block_m=32, shrink_block_m=32, chunk_rows=64),
-    # every adapter in one chunk: the reduction writes the gradients directly
-    "direct": dataclasses.replace(INTERPRET_CONFIG, chunk_rows=4096),
+    # every adapter in one chunk: the reduction writes the gradients directly (the chunks stay
+    # whole even where that leaves the interpreter's 4 "SMs" idle, `reduce_chunk_rows`)
+    "direct": dataclasses.replace(INTERPRET_CONFIG, chunk_rows=4096, chunks_fill_sms=False),
     # dS by the shrink and dB by the row reduction, two passes over dY (the other configs take
     # one pass, `ds_db.py`, wherever every rank fits one rank block)
     "two_pass_dy": dataclasses.replace(INTERPRET_CONFIG, one_pass_dy=False),
@@ -242,6 +244,28 @@ def test_shrink_programs_shrink_where_the_layout_has_few_tiles():
     case = random_case(2, 5, max_rows=24)
     meta = _meta(case, CONFIGS["split_chunks"])  # 2 tiles at most, 4 "SMs" on the interpreter
     assert (meta.shrink_block_m, meta.shrink_block_k) == (16, 2 * CONFIGS["split_chunks"].shrink_block_k)
+
+
+def test_reduction_chunks_shrink_until_every_sm_has_a_program():
+    cfg = config_for(16, True, True)  # 128-row tiles, chunks of 1024 rows at most
+    # 2048 rows of one adapter, 32 programs per chunk (dA, 4096 columns of 128): 2 chunks would
+    # run 64 programs on 132 SMs, 4 chunks of 512 rows run 128, more than half the SMs
+    assert reduce_chunk_rows([2048], [True], 32, cfg, 132) == 512
+    assert reduce_chunk_rows([2048], [True], 32, cfg, 300) == 256
+    assert reduce_chunk_rows([16384], [True], 32, cfg, 132) == 1024  # 16 chunks are enough
+    assert reduce_chunk_rows([64] * 32, [True] * 32, 16, cfg, 132) == 1024  # 32 short adapters, 32 chunks
+    assert reduce_chunk_rows([2048, 4096], [True, False], 32, cfg, 132) == 512  # rows without LoRA: no chunks
+    assert reduce_chunk_rows([2048], [True], 32, cfg, 10**6) == 128  # never below the tile height
+    assert reduce_chunk_rows([2048], [True], 32, dataclasses.replace(cfg, chunks_fill_sms=False), 132) == 1024
+    # on the interpreter (4 "SMs"): one adapter's 24 rows, 24 -> 16 columns (one column block per
+    # chunk in each reduction), make one chunk of the config's 32 rows, so they split into 2 of
+    # 16; the gradients match the reference
+    torch.manual_seed(0)
+    case = (torch.randn(24, 24, requires_grad=True), torch.randn(16, 24), torch.randn(16),
+            [torch.randn(8, 24, requires_grad=True)], [torch.randn(16, 8, requires_grad=True)], [2.0], [0.1], [24], [5])
+    meta = _meta(case, CONFIGS["fused"])
+    assert meta.chunk_rows == 16 and meta.n_chunks == 2 and meta.max_chunks_per_adapter == 2
+    check_against_reference(case, CONFIGS["fused"])
 
 
 def test_base_is_fused_only_where_tiles_pad_little():

@@ -676,7 +676,7 @@ def section_blocks(res, device):
                    chosen_shrink=[meta.shrink_block_m, meta.shrink_block_k],
                    chosen_reduce_dA=[cfg.reduce_block_n, cfg.reduce_warps, cfg.reduce_block_m, meta.block_r],
                    chosen_reduce_dB=[cfg.db_block_n, cfg.db_warps, cfg.db_block_m,
-                                     min(meta.block_r, cfg.db_max_block_r)],
+                                     meta_mod.reduce_rank_block(cfg, meta.block_r, True)],
                    chosen_one_pass=[cfg.ds_db_block_n, cfg.ds_db_warps] if cfg.one_pass_dy else None)
         # the same pack without dropout, and with every program on the pack's largest rank block
         # where some adapter's own block is smaller (`KernelConfig.fit_rank_block`)
@@ -719,7 +719,7 @@ def section_blocks(res, device):
                 c = dataclasses.replace(cfg, reduce_block_n=bn, reduce_warps=warps, reduce_block_m=bmr, db_block_n=bn,
                                         db_warps=warps, db_block_m=bmr, db_max_block_r=br or cfg.db_max_block_r)
                 m = dataclasses.replace(meta, block_r=br or meta.block_r, config=c)
-                block_r = min(m.block_r, c.db_max_block_r) if out_is_b else m.block_r
+                block_r = meta_mod.reduce_rank_block(c, m.block_r, out_is_b)
                 key = f"reduce_{name}_{bn}n_w{warps}_{bmr}m_r{block_r}"
                 try:
                     ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, m, out_is_b=out_is_b, **kw))

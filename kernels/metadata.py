@@ -159,6 +159,12 @@ def reduce_chunk_rows(seg_lens: Sequence[int], has_lora: Sequence[bool], program
     return rows
 
 
+def reduce_rank_block(config: KernelConfig, block_r: int, out_is_b: bool) -> int:
+    """The rank block of a row reduction in a pack whose rank block is `block_r`: dA takes
+    the pack's, dB at most `config.db_max_block_r`."""
+    return min(block_r, config.db_max_block_r) if out_is_b else block_r
+
+
 def takes_one_pass(config: KernelConfig, max_rank: int, block_r: int) -> bool:
     """Whether dS and dB come from one pass over dY (`ds_db.py`): where the config takes it
     (`one_pass_dy`) and every rank fits one rank block."""
@@ -307,7 +313,7 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
     if takes_one_pass(config, max_rank, block_r):
         db_programs = cdiv(out_features, config.ds_db_block_n)
     else:
-        db_programs = cdiv(out_features, config.db_block_n) * cdiv(max_rank, min(block_r, config.db_max_block_r))
+        db_programs = cdiv(out_features, config.db_block_n) * cdiv(max_rank, reduce_rank_block(config, block_r, True))
     has_lora = tuple(r > 0 for r in ranks)
     chunk_rows = reduce_chunk_rows(seg_lens, has_lora, max(da_programs, db_programs), config, sm_count(device))
     tiles, chunks, chunk_first, chunk_count = _routing_tables(seg_lens, has_lora, bm, chunk_rows, device)

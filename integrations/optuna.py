@@ -298,6 +298,7 @@ class _Sweep:
         self.lock = threading.RLock()
         self.aborted = threading.Event()  # a feeder failed: the others stop too
         self.shared_storage = not isinstance(self.study._storage, InMemoryStorage)
+        self.stale_after = _STALE_AFTER_BEATS * sampler._heartbeat_interval  # seconds of silence: a dead worker
         self._next_stale_check = 0.0
         self._bar_enabled = show_progress_bar
         self.bar = None
@@ -310,6 +311,12 @@ class _Sweep:
             if self.shared_storage:
                 self.heartbeat = _Heartbeat(self.study, self.sampler._worker_id, self.sampler._heartbeat_interval)
                 self.heartbeat.start()
+            # A trial nobody claimed (its worker died between creating and claiming it) holds a
+            # place in `n_trials` until it is failed, and is failed only once old enough to tell
+            # from a live worker's new one: wait for that (at most _ORPHAN_AFTER_S, and only when
+            # there is one), so that the sweep counts its budget without it.
+            if self.shared_storage:
+                time.sleep(_orphan_age_left(self.study, self.stale_after))
             self.restart_stale_trials(include_own=True)  # nothing of ours runs yet: any RUNNING one is stale
             done = _trials_toward_budget(self.study)
             self.bar = tqdm(total=self.n_trials, initial=min(done, self.n_trials or done), desc="trials",
@@ -338,8 +345,7 @@ class _Sweep:
         if not self.shared_storage and not include_own:
             return  # an in-memory study has no other workers
         with self.lock:
-            _restart_stale_trials(self.study, self.sampler._worker_id,
-                                  _STALE_AFTER_BEATS * self.sampler._heartbeat_interval, include_own)
+            _restart_stale_trials(self.study, self.sampler._worker_id, self.stale_after, include_own)
         self._next_stale_check = time.monotonic() + self.sampler._heartbeat_interval
 
     def maybe_restart_stale_trials(self) -> None:
@@ -773,7 +779,7 @@ def _restart_stale_trials(study: Study, worker_id: str, stale_after: float, incl
     beats = study._storage.get_study_system_attrs(study._study_id)
     now = time.time()
     trials = study.get_trials(deepcopy=False)
-    only_ours = all(_WORKER in t.system_attrs for t in trials if t.params and t.state != TrialState.WAITING)
+    only_ours = _only_lora_sweep_trials(trials)
     for t in trials:
         if t.state != TrialState.RUNNING:
             continue
@@ -809,8 +815,31 @@ def _requeue(study: Study, trial: Union[Trial, FrozenTrial], reason: str) -> Non
 def _orphaned(trial: FrozenTrial, stale_after: float) -> bool:
     """A RUNNING trial that nobody claimed, without params or reports, older than `stale_after`
     or `_ORPHAN_AFTER_S` (a live worker claims its trial in the call that creates it)."""
-    age = (datetime.datetime.now() - trial.datetime_start).total_seconds() if trial.datetime_start else 0.0
-    return not trial.params and not trial.intermediate_values and age > min(stale_after, _ORPHAN_AFTER_S)
+    return _unclaimed(trial) and _age_s(trial) > min(stale_after, _ORPHAN_AFTER_S)
+
+
+def _orphan_age_left(study: Study, stale_after: float) -> float:
+    """Seconds until every RUNNING trial that nobody claimed is old enough for `_orphaned`, a
+    little past it (`_orphaned` wants strictly older); 0 if there is none, or if the study
+    has trials of other workers, whose orphans `_restart_stale_trials` leaves alone."""
+    trials = study.get_trials(deepcopy=False)
+    if not _only_lora_sweep_trials(trials):
+        return 0.0
+    bound = min(stale_after, _ORPHAN_AFTER_S)
+    return max([0.0, *(bound - _age_s(t) + 0.1 for t in trials if t.state == TrialState.RUNNING and _unclaimed(t))])
+
+
+def _only_lora_sweep_trials(trials: Sequence[FrozenTrial]) -> bool:
+    """Whether every trial that sampled params came from a lora_sweep worker (claimed)."""
+    return all(_WORKER in t.system_attrs for t in trials if t.params and t.state != TrialState.WAITING)
+
+
+def _unclaimed(trial: FrozenTrial) -> bool:
+    return _WORKER not in trial.system_attrs and not trial.params and not trial.intermediate_values
+
+
+def _age_s(trial: FrozenTrial) -> float:
+    return (datetime.datetime.now() - trial.datetime_start).total_seconds() if trial.datetime_start else 0.0
 
 
 def _is_dead(worker_id: str, last_beat: Optional[float], now: float, stale_after: float) -> bool:

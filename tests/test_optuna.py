@@ -347,6 +347,25 @@ def test_resume_after_the_worker_is_killed(tiny_llama_dir, toy_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_trial_its_worker_never_claimed_is_failed_before_the_budget_counts(spec, tmp_path):
+    """A worker killed between creating a trial and claiming it leaves a RUNNING trial without
+    params or owner. A sweep started at once waits until it is old enough to tell from a live
+    worker's new trial, fails it, and runs its full budget without it."""
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", pruner=NO_PRUNING)
+    orphan = study._storage.create_new_trial(study._study_id)  # RUNNING, unclaimed, a moment old
+    sampler = PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": 2, "batch_size": 2})
+    sampler.optimize(n_trials=2, show_progress_bar=False)
+
+    trials = study.trials
+    table = "\n".join(f"{t.number} {t.state.name} {t.params} {t.user_attrs}" for t in trials)
+    failed = next(t for t in trials if t._trial_id == orphan)
+    assert failed.state == TrialState.FAIL and failed.user_attrs["requeued"], table
+    assert "unknown worker stopped" in failed.user_attrs["fail_reason"], table
+    assert not [t for t in trials if t.state == TrialState.RUNNING], table
+    assert finished_count(study) == 2, table
+
+
+@pytest.mark.slow
 def test_killed_trials_continue_from_their_checkpoints(tiny_llama_dir, toy_data, tmp_path):
     """kill -9 mid-sweep on a JournalStorage; the rerun of each killed trial continues from its
     engine checkpoint and ends with the value of that config trained without interruption."""

@@ -1,7 +1,8 @@
 """On CUDA: the model-level kernels (RMSNorm, SiLU(gate) * up, the chunk cross-entropy) and
 the packed multi-LoRA layer in bf16 against a float64 reference on fresh random inputs,
 outputs and gradients, relative error (Frobenius) below 1e-2; the adapters' packing bit for
-bit against torch's. Skipped without a GPU; run it on one with
+bit against torch's; CUDA graphs of the layer, several alive at once, bit for bit against
+eager calls. Skipped without a GPU; run it on one with
 `pytest tests/test_fused_ops_gpu.py`."""
 
 from __future__ import annotations
@@ -123,3 +124,54 @@ def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f):
     outputs = [("y", 0), ("dx", 1)] + [(f"dA{i}", 2 + i) for i in checked] + [(f"dB{i}", 2 + n + i) for i in checked]
     for name, k in outputs:
         assert rel_err(got[k], want[k]) < 1e-2, name
+
+
+def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
+    """Several CUDA graphs of the packed layer (fused or cuBLAS base, dropout, one or two
+    passes over dY), captured one after the other and all kept alive, then replayed in turn:
+    each replay gives bit for bit what the same call computes eagerly. The graphs share the
+    cached routing and seed tables, built before capture; the caller keeps each graph's
+    inputs (x, dY) alive, as CUDA graphs require."""
+    import dataclasses
+
+    from lora_sweep.kernels import metadata, triton_multi_lora_linear
+
+    torch.manual_seed(0)
+    seg_lens, ranks, in_f, out_f = [700, 0, 333, 1015], [16, 8, 64, 128], 1024, 1536
+    x = torch.randn(sum(seg_lens), in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) / in_f ** 0.5
+    lora_a = [(torch.randn(r, in_f, device="cuda") / in_f ** 0.5).requires_grad_(True) for r in ranks]
+    lora_b = [(torch.randn(out_f, r, device="cuda") / r ** 0.5).requires_grad_(True) for r in ranks]
+    params = [x] + [t for i, t in enumerate(lora_a + lora_b) if seg_lens[i % len(ranks)]]
+    fused, cublas = (metadata.config_for(max(ranks), True, fuse_base) for fuse_base in (True, False))
+    calls = {"fused_base": (fused, 0.0), "cublas_base": (cublas, 0.0), "dropout": (fused, 0.1),
+             "two_passes_over_dy": (dataclasses.replace(fused, one_pass_dy=False), 0.0),
+             "one_pass_over_dy": (dataclasses.replace(fused, one_pass_dy=True), 0.0)}
+
+    def step(config, p, dy):
+        y = triton_multi_lora_linear(x, weight, None, lora_a, lora_b, [2.0, 1.0, 0.5, 4.0], [p] * len(ranks),
+                                     seg_lens, [3, 5, 7, 9], config=config)
+        y.backward(dy)
+        outs = [y.detach()] + [t.grad for t in params]
+        for t in params:
+            t.grad = None
+        return outs
+
+    graphs = {}
+    for name, (config, p) in calls.items():
+        dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.bfloat16)
+        want = step(config, p, dy)  # also compiles the kernels and fills the caches before capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(config, p, dy)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = step(config, p, dy)
+        graphs[name] = (graph, got, want, dy)
+    for _ in range(2):
+        for name, (graph, got, want, _) in graphs.items():
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), name

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -264,25 +265,29 @@ def fwd_bwd_fn(fn, p):
     return lambda: fwd_bwd_step(fn, p, dy, params)
 
 
-def interleaved_fwd_bwd_ms(methods, rounds=3):
+def interleaved_fwd_bwd_ms(methods, rounds=4):
     """GPU time of one fwd+bwd of each method ({name: (fn, pack)}): the op's kernels back to
     back in a CUDA graph (`gpu_ms`), whatever the host's speed (what a graph-captured training
     step would pay). The methods are timed in turn, `rounds` times, and each gets the median
     of its rounds: an H100's clock fell from 1980 to 1470 MHz within seconds of fwd+bwd at
     16384 x 4096 -> 14336 (KERNELS_NOTES v12), which favoured whichever method was timed
-    first. Each round captures its graph anew and frees it after (with the graphs of one row
-    all kept alive, a replay hit an illegal memory access: v12). Returns ({name: ms}, {name:
-    error}); a method that fails gets None and its error."""
+    first. Every other round runs the methods in reverse order, so that no method is always
+    timed right after the same one: in a fixed order, the method timed last came out up to 9%
+    faster than the one before it at 16384 tokens of the wide shapes, where the two differed in
+    a kernel of 0.1 ms (KERNELS_NOTES v14). Each round captures its graph anew and frees it
+    after. Returns ({name: ms}, {name: error}); a method that fails gets None and its error."""
     times, errors = {name: [] for name in methods}, {}
-    for _ in range(1 if DRY else rounds):
-        for name, (fn, p) in methods.items():
+    order = list(methods)
+    for round_ in range(1 if DRY else rounds):
+        for name in (order if round_ % 2 == 0 else order[::-1]):
+            fn, p = methods[name]
             if name in errors:  # failed in an earlier round
                 continue
             try:
                 times[name].append(gpu_ms(fwd_bwd_fn(fn, p), calls=1))
             except Exception as e:  # recorded, not fatal
                 errors[name] = f"{type(e).__name__}: {e}"[:300]
-    return {name: None if name in errors else sorted(t)[len(t) // 2] for name, t in times.items()}, errors
+    return {name: None if name in errors else statistics.median(t) for name, t in times.items()}, errors
 
 
 def rel_err(a, b):
@@ -416,6 +421,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     whole_chunks = dataclasses.replace(default, chunks_fill_sms=False)
                     graphed["fused_whole_chunks"] = (lambda q: m_fused(q, whole_chunks), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
+                # the backward's keep-mask joined from its four bits, as before `spread_mask` (v14)
+                joined = dataclasses.replace(default, spread_mask=False)
+                graphed["fused_dropout_joined_mask"] = (lambda q: m_fused(q, joined), pd)
                 # GPU time alone, host time aside, the methods in turn
                 ms, errors = interleaved_fwd_bwd_ms(graphed)
                 row.update({k + "_graphed": v for k, v in ms.items()})
@@ -431,7 +439,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_two_pass_graphed') or 0:.3f}; one rank block "
                       f"{row.get('fused_one_rank_block_graphed') or 0:.3f}; whole chunks "
                       f"{row.get('fused_whole_chunks_graphed') or 0:.3f}; p=.05 "
-                      f"{row.get('fused_dropout_graphed') or 0:.3f}) ms", flush=True)
+                      f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
+                      f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}) ms", flush=True)
 
 
 def section_lora(res, device):
@@ -649,8 +658,9 @@ def section_blocks(res, device):
     over dY (`ds_db.py`; variants: columns per program, warps). The packing beside torch's
     (`pack_reference`), and A's packing alone two ways, GB/s of each element read once and
     written once. Beside the chosen blocks: the forward shrink without dropout (what drawing
-    the mask costs, `shrink_S_no_dropout`), and, in packs of mixed rank blocks, every program on
-    the pack's largest rank block (`*_one_rank_block`, `KernelConfig.fit_rank_block` off)."""
+    the mask costs, `shrink_S_no_dropout`), dA reading its keep-mask spread and joined
+    (`reduce_dA_*_mask`, `KernelConfig.spread_mask`), and, in packs of mixed rank blocks,
+    every program on the pack's largest rank block (`*_one_rank_block`, `KernelConfig.fit_rank_block` off)."""
     from lora_sweep.kernels.dropout import empty_mask_nibbles
     from lora_sweep.kernels.ds_db import lora_ds_and_db, lora_ds_db
     from lora_sweep.kernels.metadata import LoRABatchMeta
@@ -729,6 +739,12 @@ def section_blocks(res, device):
             if fits_differ:
                 ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, one_block, out_is_b=out_is_b, **kw))
                 row[f"reduce_{name}_one_rank_block"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+        # dA, the chosen blocks, the keep-mask spread over x's columns and joined from its bits
+        joined = dataclasses.replace(meta, config=dataclasses.replace(cfg, spread_mask=False))
+        da = torch.empty(meta.r_total, in_f, device=device)
+        for name, m in (("dA_spread_mask", meta), ("dA_joined_mask", joined)):
+            ms = gpu_ms(lambda: lora_row_reduce(x, s, da, m, out_is_b=False, mask_nibbles=mask))
+            row[f"reduce_{name}"] = dict(ms=ms, GBps=x.numel() * x.element_size() / ms / 1e6)
         # dS and dB: two passes over dY (what the default ran before one_pass_dy) against one
         two = dataclasses.replace(meta, config=dataclasses.replace(cfg, one_pass_dy=False))
         ds = torch.empty_like(s)
@@ -853,6 +869,11 @@ def summarize(res):
         if fc:  # the whole layer, graphed: the reductions' chunks shortened to fill the SMs, against whole
             s["graphed_chunks_fill_sms_over_whole_chunks"] = dict(median=fc[len(fc) // 2], min=fc[0], max=fc[-1],
                                                                   of=len(fc))
+        sm = sorted(r["fused_dropout_graphed"] / r["fused_dropout_joined_mask_graphed"] for r in big
+                    if r.get("fused_dropout_graphed") and r.get("fused_dropout_joined_mask_graphed"))
+        if sm:  # the whole layer with dropout, graphed: the backward's keep-mask spread, against joined
+            s["graphed_spread_mask_over_joined_mask"] = dict(median=sm[len(sm) // 2], min=sm[0], max=sm[-1],
+                                                             of=len(sm))
         copy_gbps = res.get("ceilings", {}).get("copy_GBps")
         if copy_gbps:
             # A bound no kernel design beats: the fp32 adapters read once and their fp32 gradients

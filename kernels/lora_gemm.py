@@ -54,6 +54,7 @@ def _lora_gemm_kernel(
     stride_om,
     FORWARD: tl.constexpr,  # Y: scale_i, W read as [N, K]; else dX: W read as [K, N]
     OUT_DROPOUT: tl.constexpr,  # mask the LoRA term with the adapter's dropout mask (backward)
+    SPREAD_MASK: tl.constexpr,  # read that mask spread over the columns (`load_keep_mask`)
     HAS_BIAS: tl.constexpr,
     N_INT_COLS: tl.constexpr,
     N_FLOAT_COLS: tl.constexpr,
@@ -71,7 +72,7 @@ def _lora_gemm_kernel(
         tile, n0 = _grouped_tile(t, n_tiles, num_pid_n, GROUP_M, BLOCK_N)
         acc, offs_m, offs_n, m_mask, n_mask, row_start, _ = _lora_term(
             s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, n_groups,
-            stride_sm, FORWARD, OUT_DROPOUT, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
+            stride_sm, FORWARD, OUT_DROPOUT, SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
         # the base product accumulates on top of it; rows past the tile's end (the next
         # adapter's, or zeros past M) are computed and never stored
         for ki in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=K_STAGES, warp_specialize=WARP_SPECIALIZE):
@@ -96,6 +97,7 @@ def _lora_add_kernel(
     stride_om,
     FORWARD: tl.constexpr,
     OUT_DROPOUT: tl.constexpr,
+    SPREAD_MASK: tl.constexpr,
     N_INT_COLS: tl.constexpr,
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -107,7 +109,7 @@ def _lora_add_kernel(
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, tl.cdiv(N, BLOCK_N), GROUP_M, BLOCK_N)
     acc, offs_m, offs_n, m_mask, n_mask, _, rank = _lora_term(
         s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, n_groups,
-        stride_sm, FORWARD, OUT_DROPOUT, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
+        stride_sm, FORWARD, OUT_DROPOUT, SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
     if rank > 0:  # a tile without LoRA has its result in `out` already
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         out_mask = m_mask[:, None] & n_mask[None, :]
@@ -128,8 +130,9 @@ def _grouped_tile(t, n_tiles, num_pid_n, GROUP_M: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit
 def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N,
-               n_groups, stride_sm, FORWARD: tl.constexpr, OUT_DROPOUT: tl.constexpr, N_INT_COLS: tl.constexpr,
-               N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+               n_groups, stride_sm, FORWARD: tl.constexpr, OUT_DROPOUT: tl.constexpr, SPREAD_MASK: tl.constexpr,
+               N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_R: tl.constexpr):
     """A tile's LoRA term in fp32: S_tile @ L_i[:, n block] over its adapter's own rank, times
     scale_i (forward) or masked by the adapter's dropout (backward); zeros for an adapter
     without LoRA. Also returns the tile's row/column offsets and masks, first row and rank."""
@@ -145,7 +148,7 @@ def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_
         if OUT_DROPOUT:  # loaded before the accumulator is live: less register pressure
             keep = tl.full((BLOCK_M, BLOCK_N), 1, tl.int1)
             if threshold > 0:
-                keep = load_keep_mask(mask_ptr, offs_m.to(tl.int64), m_mask, n0, n_groups, BLOCK_N)
+                keep = load_keep_mask(mask_ptr, offs_m.to(tl.int64), m_mask, n0, n_groups, BLOCK_N, SPREAD_MASK)
         offs_r = tl.arange(0, BLOCK_R)
         s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :]
         l_ptrs = lora_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :]  # (r, n) tile of the adapter's rows
@@ -205,7 +208,8 @@ def lora_gemm(
     out_dropout = (not forward) and meta.has_dropout
     if out_dropout:
         assert mask_nibbles is not None and mask_nibbles.shape == (M, cdiv(N, 4))
-    common = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, N_INT_COLS=len(ADAPTER_INT_COLS),
+    common = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, SPREAD_MASK=cfg.spread_mask,
+                  N_INT_COLS=len(ADAPTER_INT_COLS),
                   N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=cfg.block_m, BLOCK_N=block_n,
                   BLOCK_R=meta.block_r_expand, GROUP_M=cfg.group_m)
     mask = mask_nibbles if out_dropout else out

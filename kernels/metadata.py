@@ -68,6 +68,9 @@ class KernelConfig:
     # fewer rows per chunk where a layout has too few chunks to give every SM a program (`reduce_chunk_rows`)
     chunks_fill_sms: bool = True
     chunk_sum_values: int = 2048  # fp32 accumulator of one program that adds the chunks' partials up
+    # the backward (dA, the dX GEMM's LoRA term) unpacks the stored keep-mask spread over the
+    # columns, not joined from its four bits (`load_keep_mask`)
+    spread_mask: bool = True
     # dS and dB in one pass over dY (ds_db.py) instead of the dS shrink and the dB reduction;
     # rows per step db_block_m
     one_pass_dy: bool = False

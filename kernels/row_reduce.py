@@ -81,6 +81,7 @@ def _row_reduce_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,  # the largest rank block; grid axis 2 covers the largest rank
     FIT_RANK_BLOCK: tl.constexpr,  # each adapter's programs take the smallest rank block holding its rank
+    SPREAD_MASK: tl.constexpr,  # dA reads the keep-mask spread over x's columns (`load_keep_mask`)
 ):
     chunk = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -98,14 +99,14 @@ def _row_reduce_kernel(
             if fit == BLOCK_R >> halvings:
                 _reduce_rows(u_ptr, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_end, r0, rank, threshold,
                              r_offset, scale, inv_keep, N, rank_stride, n_groups, stride_um, stride_vm, OUT_IS_B,
-                             DIRECT, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R >> halvings)
+                             DIRECT, HAS_DROPOUT, SPREAD_MASK, BLOCK_M, BLOCK_N, BLOCK_R >> halvings)
 
 
 @triton.jit
 def _reduce_rows(u_ptr, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_end, r0, rank, threshold, r_offset,
                  scale, inv_keep, N, rank_stride, n_groups, stride_um, stride_vm, OUT_IS_B: tl.constexpr,
-                 DIRECT: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr):
+                 DIRECT: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPREAD_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program's sum over its chunk's rows, columns pid_n * BLOCK_N .. and rank columns
     r0 .. r0 + BLOCK_R."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,7 +123,8 @@ def _reduce_rows(u_ptr, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_e
         if not OUT_IS_B:
             if HAS_DROPOUT:
                 if threshold > 0:
-                    keep = load_keep_mask(mask_ptr, rows.to(tl.int64), m_mask, pid_n * BLOCK_N, n_groups, BLOCK_N)
+                    keep = load_keep_mask(mask_ptr, rows.to(tl.int64), m_mask, pid_n * BLOCK_N, n_groups, BLOCK_N,
+                                          SPREAD_MASK)
                     ut = tl.where(keep, ut, tl.zeros_like(ut))
         vt = tl.load(v_ptr + rows[:, None].to(tl.int64) * stride_vm + offs_r[None, :],
                      mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
@@ -214,6 +216,7 @@ def lora_row_reduce(
         DIRECT=direct,
         HAS_DROPOUT=has_dropout,
         FIT_RANK_BLOCK=cfg.fit_rank_block,
+        SPREAD_MASK=cfg.spread_mask,
         N_INT_COLS=len(ADAPTER_INT_COLS),
         N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
         BLOCK_M=block_m,

@@ -64,6 +64,9 @@ CONFIGS = {
     # every program of the shrinks and reductions runs the pack's largest rank block (the others
     # take their adapter's own, `fit_rank_block`)
     "one_rank_block": dataclasses.replace(INTERPRET_CONFIG, fit_rank_block=False),
+    # the backward reads the dropout mask joined from its four bits (the others spread over the
+    # columns, `load_keep_mask`)
+    "joined_mask": dataclasses.replace(INTERPRET_CONFIG, spread_mask=False),
 }
 
 

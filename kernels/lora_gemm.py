@@ -209,9 +209,8 @@ def lora_gemm(
     if out_dropout:
         assert mask_nibbles is not None and mask_nibbles.shape == (M, cdiv(N, 4))
     common = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, SPREAD_MASK=cfg.spread_mask,
-                  N_INT_COLS=len(ADAPTER_INT_COLS),
-                  N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=cfg.block_m, BLOCK_N=block_n,
-                  BLOCK_R=meta.block_r_expand, GROUP_M=cfg.group_m)
+                  N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=cfg.block_m,
+                  BLOCK_N=block_n, BLOCK_R=meta.block_r_expand, GROUP_M=cfg.group_m)
     mask = mask_nibbles if out_dropout else out
     if not fused_base:
         _lora_add_kernel[(n_pairs,)](s, lora_pack, out, mask, *meta.args(), N, meta.n_tiles, cdiv(N, 4),

@@ -7,6 +7,7 @@ eager calls. Skipped without a GPU; run it on one with
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -132,8 +133,6 @@ def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
     each replay gives bit for bit what the same call computes eagerly. The graphs share the
     cached routing and seed tables, built before capture; the caller keeps each graph's
     inputs (x, dY) alive, as CUDA graphs require."""
-    import dataclasses
-
     from lora_sweep.kernels import metadata, triton_multi_lora_linear
 
     torch.manual_seed(0)

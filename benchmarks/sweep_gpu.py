@@ -5,7 +5,8 @@ downloaded), samples of varying length, one GPU. Sections (pick with --sections)
 
 * throughput  packed jobs of 1..32 adapters vs one adapter alone with PEFT: tokens/s,
               the ratio, and MFU against the bf16 peak measured in the same run
-* kernels     the packed job with the Triton kernels vs the torch path (LORA_SWEEP_KERNELS=torch)
+* kernels     the packed job with the Triton kernels vs the torch path (LORA_SWEEP_KERNELS=torch),
+              and how much of a step each keeps the GPU busy
 * makespan    120 configs of PLoRA's Table 1 space: the planner's predicted makespan for
               lora_sweep and for one-trial-at-a-time PEFT, and a measured 16-config subset
               both ways against the prediction (each trial's adapter saved, both ways; each
@@ -132,8 +133,9 @@ def _median_ms(fn, reps: int) -> float:
 # --------------------------------------------------------------------------- one measurement
 
 
-def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, **spec_kw) -> dict:
-    """Median step time of one packed job, timed per step with CUDA events."""
+def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, gpu_busy: bool = False, **spec_kw) -> dict:
+    """Median step time of one packed job, timed per step with CUDA events; with `gpu_busy`,
+    also the GPU time of a step (`gpu_s_per_step`)."""
     job = ls.PackedJob(spec_for(model, rows, seq_len, **spec_kw), trials, progress=False)
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -151,10 +153,26 @@ def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, **spec_kw
               "rank_tokens_per_step": statistics.mean(s["rank_tokens"] for s in stats),
               "lengths": [len(job.train_samples[i]) for i in range(64)],
               "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "step_stats": stats}
+    if gpu_busy:
+        result["gpu_s_per_step"] = gpu_s_per_step(job)
     del job
     strip_adapters(model)
     torch.cuda.empty_cache()
     return result
+
+
+def gpu_s_per_step(job, steps: int = 3) -> float:
+    """GPU time of one step of `job`: the summed durations of its kernels, copies and fills
+    (torch profiler, CUDA activity only). Beside the step's wall time it says how long the GPU
+    waited for the host: a step's work runs on one stream, so its kernels do not overlap."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            job.step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps
 
 
 def tokenized(model, rows, seq_len, device="cuda"):
@@ -265,10 +283,12 @@ def kernels(model_name, seq, n, peak, warmup, steps, log) -> dict:
     out = {}
     for mode in ("triton", "torch"):
         os.environ["LORA_SWEEP_KERNELS"] = mode
-        r = time_packed(model, trials, rows, seq, warmup, steps)
+        r = time_packed(model, trials, rows, seq, warmup, steps, gpu_busy=True)
         out[mode] = {"tokens_per_s": r["tokens_per_step"] / r["median_step_s"], "median_step_s": r["median_step_s"],
+                     "gpu_s_per_step": r["gpu_s_per_step"], "gpu_busy": r["gpu_s_per_step"] / r["median_step_s"],
                      "peak_memory_gb": r["peak_memory_gb"]}
-        log(f"{model_name} seq {seq}, {n} adapters, {mode}: {out[mode]['tokens_per_s']:,.0f} tok/s")
+        log(f"{model_name} seq {seq}, {n} adapters, {mode}: {out[mode]['tokens_per_s']:,.0f} tok/s, "
+            f"GPU busy {out[mode]['gpu_busy']:.0%} of a step")
     os.environ.pop("LORA_SWEEP_KERNELS")
     out["speedup"] = out["triton"]["tokens_per_s"] / out["torch"]["tokens_per_s"]
     del model

@@ -843,37 +843,26 @@ def summarize(res):
         gm = sorted(r["grouped_mm"] / r["fused"] for r in main if r.get("grouped_mm"))
         if gm:
             s["speedup_vs_grouped_mm"] = dict(median=gm[len(gm) // 2], min=gm[0], max=gm[-1])
-        gr = sorted(r["fused_graphed"] / r["base_graphed"] for r in big if r.get("fused_graphed") and r.get("base_graphed"))
-        if gr:
-            s["graphed_fused_over_base"] = dict(median=gr[len(gr) // 2], max=gr[-1], min=gr[0],
-                                                within_1_15=sum(x <= 1.15 for x in gr), of=len(gr))
-        op = sorted(r["fused_graphed"] / r["fused_two_pass_graphed"] for r in big
-                    if r.get("fused_graphed") and r.get("fused_two_pass_graphed"))
-        if op:  # the whole layer, graphed: one pass over dY for dS and dB against two
-            s["graphed_one_pass_over_two_pass"] = dict(median=op[len(op) // 2], min=op[0], max=op[-1], of=len(op))
-        dg = sorted(r["fused_dropout_graphed"] / r["fused_graphed"] for r in big
-                    if r.get("fused_graphed") and r.get("fused_dropout_graphed"))
-        if dg:  # the whole layer, graphed: dropout 0.05 on every adapter against none
-            s["graphed_dropout_cost"] = dict(median=dg[len(dg) // 2], min=dg[0], max=dg[-1], of=len(dg))
-            gd = sorted(r["fused_dropout_graphed"] / r["base_graphed"] for r in big
-                        if r.get("fused_dropout_graphed") and r.get("base_graphed"))
-            s["graphed_fused_dropout_over_base"] = dict(median=gd[len(gd) // 2], max=gd[-1], min=gd[0],
-                                                        within_1_15=sum(x <= 1.15 for x in gd), of=len(gd))
-        fr = sorted(r["fused_graphed"] / r["fused_one_rank_block_graphed"] for r in big
-                    if r.get("fused_graphed") and r.get("fused_one_rank_block_graphed"))
-        if fr:  # the whole layer, graphed: each adapter's own rank block against the pack's largest
-            s["graphed_fit_rank_block_over_one_rank_block"] = dict(median=fr[len(fr) // 2], min=fr[0], max=fr[-1],
-                                                                   of=len(fr))
-        fc = sorted(r["fused_graphed"] / r["fused_whole_chunks_graphed"] for r in big
-                    if r.get("fused_graphed") and r.get("fused_whole_chunks_graphed"))
-        if fc:  # the whole layer, graphed: the reductions' chunks shortened to fill the SMs, against whole
-            s["graphed_chunks_fill_sms_over_whole_chunks"] = dict(median=fc[len(fc) // 2], min=fc[0], max=fc[-1],
-                                                                  of=len(fc))
-        sm = sorted(r["fused_dropout_graphed"] / r["fused_dropout_joined_mask_graphed"] for r in big
-                    if r.get("fused_dropout_graphed") and r.get("fused_dropout_joined_mask_graphed"))
-        if sm:  # the whole layer with dropout, graphed: the backward's keep-mask spread, against joined
-            s["graphed_spread_mask_over_joined_mask"] = dict(median=sm[len(sm) // 2], min=sm[0], max=sm[-1],
-                                                             of=len(sm))
+        # the whole layer, graphed: (summary key, numerator, denominator, count those within 1.15x)
+        for key, num, den, within in (
+                ("graphed_fused_over_base", "fused", "base", True),
+                # one pass over dY for dS and dB against two
+                ("graphed_one_pass_over_two_pass", "fused", "fused_two_pass", False),
+                # dropout 0.05 on every adapter against none, and over the base
+                ("graphed_dropout_cost", "fused_dropout", "fused", False),
+                ("graphed_fused_dropout_over_base", "fused_dropout", "base", True),
+                # each adapter's own rank block against the pack's largest
+                ("graphed_fit_rank_block_over_one_rank_block", "fused", "fused_one_rank_block", False),
+                # the reductions' chunks shortened to fill the SMs, against whole
+                ("graphed_chunks_fill_sms_over_whole_chunks", "fused", "fused_whole_chunks", False),
+                # with dropout, the backward's keep-mask spread, against joined
+                ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False)):
+            ratios = sorted(r[num + "_graphed"] / r[den + "_graphed"] for r in big
+                            if r.get(num + "_graphed") and r.get(den + "_graphed"))
+            if ratios:
+                s[key] = dict(median=ratios[len(ratios) // 2], min=ratios[0], max=ratios[-1], of=len(ratios))
+                if within:
+                    s[key]["within_1_15"] = sum(x <= 1.15 for x in ratios)
         copy_gbps = res.get("ceilings", {}).get("copy_GBps")
         if copy_gbps:
             # A bound no kernel design beats: the fp32 adapters read once and their fp32 gradients

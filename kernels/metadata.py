@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -168,6 +169,13 @@ def reduce_rank_block(config: KernelConfig, block_r: int, out_is_b: bool) -> int
     return min(block_r, config.db_max_block_r) if out_is_b else block_r
 
 
+def reduce_grid(config: KernelConfig, n_cols: int, max_rank: int, block_r: int, out_is_b: bool) -> tuple[int, int]:
+    """(column blocks, rank blocks) of a row reduction over `n_cols` columns, per chunk, in a
+    pack whose largest rank is `max_rank` and rank block `block_r`: dA's or dB's blocks."""
+    block_n = config.db_block_n if out_is_b else config.reduce_block_n
+    return cdiv(n_cols, block_n), cdiv(max_rank, reduce_rank_block(config, block_r, out_is_b))
+
+
 def takes_one_pass(config: KernelConfig, max_rank: int, block_r: int) -> bool:
     """Whether dS and dB come from one pass over dY (`ds_db.py`): where the config takes it
     (`one_pass_dy`) and every rank fits one rank block."""
@@ -311,12 +319,11 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
     max_rank = max(ranks, default=0)
     block_r, block_r_expand = rank_blocks(max(max_rank, 1))
     # the larger of the reduction grids, programs per chunk: dA's, or dB's or the one pass's
-    r_blocks = cdiv(max_rank, block_r)
-    da_programs = cdiv(in_features, config.reduce_block_n) * r_blocks
+    da_programs = math.prod(reduce_grid(config, in_features, max_rank, block_r, out_is_b=False))
     if takes_one_pass(config, max_rank, block_r):
         db_programs = cdiv(out_features, config.ds_db_block_n)
     else:
-        db_programs = cdiv(out_features, config.db_block_n) * cdiv(max_rank, reduce_rank_block(config, block_r, True))
+        db_programs = math.prod(reduce_grid(config, out_features, max_rank, block_r, out_is_b=True))
     has_lora = tuple(r > 0 for r in ranks)
     chunk_rows = reduce_chunk_rows(seg_lens, has_lora, max(da_programs, db_programs), config, sm_count(device))
     tiles, chunks, chunk_first, chunk_count = _routing_tables(seg_lens, has_lora, bm, chunk_rows, device)

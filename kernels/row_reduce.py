@@ -23,7 +23,7 @@ import triton.language as tl
 from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, load_adapter, load_keep_mask,
                              load_row_block)
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, reduce_rank_block
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, reduce_grid, reduce_rank_block
 
 _CHUNK_FIRST_COL = ADAPTER_INT_COLS.index("chunk_first")
 
@@ -201,8 +201,7 @@ def lora_row_reduce(
     block_m, block_n, warps = ((cfg.db_block_m, cfg.db_block_n, cfg.db_warps) if out_is_b
                                else (cfg.reduce_block_m, cfg.reduce_block_n, cfg.reduce_warps))
     block_r = reduce_rank_block(cfg, meta.block_r, out_is_b)
-    n_blocks = cdiv(N, block_n)
-    r_blocks = cdiv(meta.max_rank, block_r)
+    n_blocks, r_blocks = reduce_grid(cfg, N, meta.max_rank, meta.block_r, out_is_b)
     if meta.n_chunks == 0 or r_blocks == 0:
         return out
     direct = meta.max_chunks_per_adapter <= 1

@@ -815,7 +815,7 @@ def _requeue(study: Study, trial: Union[Trial, FrozenTrial], reason: str) -> Non
 def _orphaned(trial: FrozenTrial, stale_after: float) -> bool:
     """A RUNNING trial that nobody claimed, without params or reports, older than `stale_after`
     or `_ORPHAN_AFTER_S` (a live worker claims its trial in the call that creates it)."""
-    return _unclaimed(trial) and _age_s(trial) > min(stale_after, _ORPHAN_AFTER_S)
+    return _unclaimed(trial) and _age_s(trial) > _orphan_after(stale_after)
 
 
 def _orphan_age_left(study: Study, stale_after: float) -> float:
@@ -825,8 +825,14 @@ def _orphan_age_left(study: Study, stale_after: float) -> float:
     trials = study.get_trials(deepcopy=False)
     if not _only_lora_sweep_trials(trials):
         return 0.0
-    bound = min(stale_after, _ORPHAN_AFTER_S)
+    bound = _orphan_after(stale_after)
     return max([0.0, *(bound - _age_s(t) + 0.1 for t in trials if t.state == TrialState.RUNNING and _unclaimed(t))])
+
+
+def _orphan_after(stale_after: float) -> float:
+    """Age in seconds past which an unclaimed RUNNING trial is an orphan, not a live worker's
+    trial about to be claimed."""
+    return min(stale_after, _ORPHAN_AFTER_S)
 
 
 def _only_lora_sweep_trials(trials: Sequence[FrozenTrial]) -> bool:

@@ -444,9 +444,19 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
 
 
 def section_lora(res, device):
-    """LoRA part alone, 32 adapters x 1024 tokens: our kernels (shrink, expand into an existing
-    output, dS, dB, dA, dX LoRA term) vs the same matmuls adapter by adapter (fp32 adapters, as PEFT).
-    Both sides are mostly host time at this size, so the ratio moves with the host."""
+    """LoRA part alone, 32 adapters x 1024 tokens, against the same matmuls adapter by adapter
+    (fp32 adapters, as PEFT; `adapter_by_adapter_ms`, mostly host time), two ways:
+
+    - `ours_ms`: our LoRA kernels on their own (shrink, expand into an existing output, dS,
+      dB, dA, dX's LoRA term), as if the base GEMMs were someone else's. The expand and dX's
+      term then read and write all of Y and dX once more, which the fused layer never does:
+      at the copy ceiling those two passes, with x read twice and dY once, take 0.44 ms at
+      32768 x 4096, so this way cannot pass 26x there.
+    - `added_ms`: what the LoRA part adds to the layer, the fused fwd+bwd less the frozen
+      base's, each the median of alternating graphed rounds (`interleaved_fwd_bwd_ms`; GPU
+      time, which eager time equals at this size). In the fused layer the expand and dX's
+      LoRA term live in the base GEMMs' accumulators, so this is everything the LoRA part
+      costs there; `added_eager_ms` is the same difference of eager medians."""
     from lora_sweep.kernels.dropout import empty_mask_nibbles
     from lora_sweep.kernels.ds_db import lora_ds_and_db
     from lora_sweep.kernels.lora_gemm import lora_gemm
@@ -492,10 +502,17 @@ def section_lora(res, device):
         to_clear = list(xs) + params_of(p)[1:]
         t_ours = do_bench(ours)
         t_loop = do_bench(loop, grad_to_none=to_clear)
+        graphed, _ = interleaved_fwd_bwd_ms(dict(base=(m_base, p), fused=(m_fused, p)), rounds=6)
+        added = graphed["fused"] - graphed["base"]
+        added_eager = bench_fwd_bwd(m_fused, p) - bench_fwd_bwd(m_base, p)
         out_rows.append(dict(in_f=in_f, out_f=out_f, rank=kind, adapters=n, tokens_per_adapter=LORA_ROWS,
-                             ours_ms=t_ours, adapter_by_adapter_ms=t_loop, speedup=t_loop / t_ours))
+                             ours_ms=t_ours, adapter_by_adapter_ms=t_loop, speedup=t_loop / t_ours,
+                             base_graphed_ms=graphed["base"], fused_graphed_ms=graphed["fused"], added_ms=added,
+                             speedup_added=t_loop / added, added_eager_ms=added_eager))
         print(f"lora-only {in_f}->{out_f} r={kind} 32x1024: ours {t_ours:.3f} ms, adapter by adapter {t_loop:.3f} ms, "
-              f"{t_loop / t_ours:.1f}x", flush=True)
+              f"{t_loop / t_ours:.1f}x; added to the base layer {added:.3f} ms graphed "
+              f"({graphed['fused']:.3f} - {graphed['base']:.3f}), {added_eager:.3f} eager: {t_loop / added:.1f}x",
+              flush=True)
     res["lora_only"] = out_rows
 
 
@@ -883,6 +900,9 @@ def summarize(res):
                 r["gpu_kernel_ms"] / r["base_gpu_kernel_ms"] for r in res["profile"] if r["base_gpu_kernel_ms"]}
     if res.get("lora_only"):
         s["lora_only_speedup_32x1024"] = {f"{r['in_f']}->{r['out_f']} r={r['rank']}": r["speedup"] for r in res["lora_only"]}
+        if all("speedup_added" in r for r in res["lora_only"]):  # (v15 on)
+            s["lora_added_speedup_32x1024"] = {f"{r['in_f']}->{r['out_f']} r={r['rank']}": r["speedup_added"]
+                                               for r in res["lora_only"]}
     if res.get("check"):
         s["check_all_ok"] = all(c["ok"] for c in res["check"])
         s["check_max_rel_err"] = max(max(c["errors"].values()) for c in res["check"])

@@ -854,6 +854,10 @@ def summarize(res):
         if sp:
             s["speedup_vs_segref_4plus"] = dict(median=sp[len(sp) // 2], min=sp[0], max=sp[-1],
                                                 at_least_3x=sum(x >= 3 for x in sp), of=len(sp))
+            # the most any fused op could gain there: the reference over the frozen base alone
+            cap = sorted(r["segref"] / r["base"] for r in many)
+            s["segref_over_base_4plus"] = dict(median=cap[len(cap) // 2], min=cap[0], max=cap[-1],
+                                               below_3x=sum(x < 3 for x in cap), of=len(cap))
         pl = sorted(r["peft_loop"] / r["fused"] for r in main if r.get("peft_loop"))
         if pl:
             s["speedup_vs_peft_loop"] = dict(median=pl[len(pl) // 2], min=pl[0], max=pl[-1])

@@ -841,29 +841,32 @@ def section_tune(res, device, deadline):
                       f"{best[0]:.3f} ms ({best[0] / row['base']:.2f}x)", flush=True)
 
 
+def spread(values):
+    """Median (the upper one of an even count), min and max of `values`."""
+    v = sorted(values)
+    return dict(median=v[len(v) // 2], min=v[0], max=v[-1])
+
+
 def summarize(res):
     s = {}
     main = [r for r in res.get("main", []) if r.get("fused")]
     if main:
         big = [r for r in main if r["tokens"] >= 2048] or main
-        ratios = sorted(r["fused"] / r["base"] for r in big)
-        s["fused_over_base"] = dict(median=ratios[len(ratios) // 2], max=ratios[-1], min=ratios[0],
-                                    within_1_15=sum(x <= 1.15 for x in ratios), of=len(ratios))
+        ratios = [r["fused"] / r["base"] for r in big]
+        s["fused_over_base"] = dict(**spread(ratios), within_1_15=sum(x <= 1.15 for x in ratios), of=len(ratios))
         many = [r for r in main if r["adapters"] >= 4 and r.get("segref")]
-        sp = sorted(r["segref"] / r["fused"] for r in many)
-        if sp:
-            s["speedup_vs_segref_4plus"] = dict(median=sp[len(sp) // 2], min=sp[0], max=sp[-1],
-                                                at_least_3x=sum(x >= 3 for x in sp), of=len(sp))
+        if many:
+            sp = [r["segref"] / r["fused"] for r in many]
+            s["speedup_vs_segref_4plus"] = dict(**spread(sp), at_least_3x=sum(x >= 3 for x in sp), of=len(sp))
             # the most any fused op could gain there: the reference over the frozen base alone
-            cap = sorted(r["segref"] / r["base"] for r in many)
-            s["segref_over_base_4plus"] = dict(median=cap[len(cap) // 2], min=cap[0], max=cap[-1],
-                                               below_3x=sum(x < 3 for x in cap), of=len(cap))
-        pl = sorted(r["peft_loop"] / r["fused"] for r in main if r.get("peft_loop"))
+            cap = [r["segref"] / r["base"] for r in many]
+            s["segref_over_base_4plus"] = dict(**spread(cap), below_3x=sum(x < 3 for x in cap), of=len(cap))
+        pl = [r["peft_loop"] / r["fused"] for r in main if r.get("peft_loop")]
         if pl:
-            s["speedup_vs_peft_loop"] = dict(median=pl[len(pl) // 2], min=pl[0], max=pl[-1])
-        gm = sorted(r["grouped_mm"] / r["fused"] for r in main if r.get("grouped_mm"))
+            s["speedup_vs_peft_loop"] = spread(pl)
+        gm = [r["grouped_mm"] / r["fused"] for r in main if r.get("grouped_mm")]
         if gm:
-            s["speedup_vs_grouped_mm"] = dict(median=gm[len(gm) // 2], min=gm[0], max=gm[-1])
+            s["speedup_vs_grouped_mm"] = spread(gm)
         # the whole layer, graphed: (summary key, numerator, denominator, count those within 1.15x)
         for key, num, den, within in (
                 ("graphed_fused_over_base", "fused", "base", True),
@@ -878,10 +881,10 @@ def summarize(res):
                 ("graphed_chunks_fill_sms_over_whole_chunks", "fused", "fused_whole_chunks", False),
                 # with dropout, the backward's keep-mask spread, against joined
                 ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False)):
-            ratios = sorted(r[num + "_graphed"] / r[den + "_graphed"] for r in big
-                            if r.get(num + "_graphed") and r.get(den + "_graphed"))
+            ratios = [r[num + "_graphed"] / r[den + "_graphed"] for r in big
+                      if r.get(num + "_graphed") and r.get(den + "_graphed")]
             if ratios:
-                s[key] = dict(median=ratios[len(ratios) // 2], min=ratios[0], max=ratios[-1], of=len(ratios))
+                s[key] = dict(**spread(ratios), of=len(ratios))
                 if within:
                     s[key]["within_1_15"] = sum(x <= 1.15 for x in ratios)
         copy_gbps = res.get("ceilings", {}).get("copy_GBps")
@@ -895,9 +898,9 @@ def summarize(res):
                 floors.append(1 + r["adapter_traffic_floor_ms"] / (r.get("base_graphed") or r["base"]))
             s["adapter_traffic_floor_over_base"] = dict(above_1_15=sum(f > 1.15 for f in floors), of=len(floors),
                                                         max=max(floors))
-        dr = sorted(r["fused_dropout"] / r["fused"] for r in main if r.get("fused_dropout"))
+        dr = [r["fused_dropout"] / r["fused"] for r in main if r.get("fused_dropout")]
         if dr:
-            s["dropout_cost"] = dict(median=dr[len(dr) // 2], max=dr[-1])
+            s["dropout_cost"] = {k: v for k, v in spread(dr).items() if k != "min"}
     if res.get("profile"):  # GPU time alone, whatever the host's enqueue time
         s["profile_gpu_fused_over_base"] = {
             f"{r['in_f']}->{r['out_f']} tok={r['tokens']} n={r['adapters']} r={r['rank']}":

@@ -608,13 +608,62 @@ def section_profile(res, device):
     res["profile"] = out
 
 
+def launch_host_us(calls=5000):
+    """Host time of one launch of an empty Triton kernel of 12 arguments and 3 constexprs, in
+    µs: through `kernel[grid](...)`; straight through the compiled kernel's launcher
+    (`CompiledKernel.run`, whose argument list is internal to Triton: None where this Triton's
+    differs from 3.6's); and Triton's argument binder alone, which any shortcut that keeps
+    Triton's alignment specialisation would still run."""
+    import triton
+    import triton.language as tl
+    from triton.runtime import driver
+
+    @triton.jit
+    def _empty(a, b, c, d, e, f, g, h, i, j, k, l, BM: tl.constexpr, BN: tl.constexpr, X: tl.constexpr):
+        if tl.program_id(0) < 0:
+            tl.store(a, 1.0)
+
+    t = [torch.empty(16, device="cuda") for _ in range(4)]
+    args = (*t, 1, 2, 3, 4, 5, 6, 7, 8)
+    compiled = _empty[(4,)](*args, BM=64, BN=64, X=True)
+    device = driver.active.get_current_device()
+    stream = driver.active.get_current_stream(device)
+    binder = _empty.device_caches[device][-1]
+
+    def per_call_us(fn):
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        us = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+        return us
+
+    out = {"jit": per_call_us(lambda: _empty[(4,)](*args, BM=64, BN=64, X=True)),
+           "binder": per_call_us(lambda: binder(*args, BM=64, BN=64, X=True))}
+    try:
+        out["compiled_run"] = per_call_us(lambda: compiled.run(4, 1, 1, stream, compiled.function,
+                                                               compiled.packed_metadata, None, None, None,
+                                                               *args, 64, 64, True))
+    except TypeError:
+        out["compiled_run"] = None
+    return out
+
+
 def section_host(res, device):
     """Host time of one fused fwd+bwd by function (cProfile over 50 calls), for a pack of 4 and
     one of 32 adapters at 2048 tokens, where the op is host-bound; the frozen base's own host
-    time beside it. cProfile slows Python down, so the per-call totals are timed without it."""
+    time beside it. cProfile slows Python down, so the per-call totals are timed without it.
+    First, what one Triton launch costs the host (`launch_host_us`)."""
     import cProfile
     import pstats
 
+    if not DRY:
+        res["launch_host_us"] = launch_host_us()
+        print("host time of one launch of an empty Triton kernel, us: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in res["launch_host_us"].items() if v is not None), flush=True)
     out = []
     for in_f, out_f, tokens, n in ((4096, 4096, 2048, 4), (4096, 14336, 2048, 32)):
         if DRY:

@@ -7,6 +7,9 @@ downloaded), samples of varying length, one GPU. Sections (pick with --sections)
               the ratio, and MFU against the bf16 peak measured in the same run
 * kernels     the packed job with the Triton kernels vs the torch path (LORA_SWEEP_KERNELS=torch),
               and how much of a step each keeps the GPU busy
+* host        where a packed step's time goes (Llama-shaped model of --kernels-model, kernels):
+              wall time, the host's time to enqueue the forward + loss and the backward,
+              Triton launches and synchronisations per step, the GPU's time
 * makespan    120 configs of PLoRA's Table 1 space: the planner's predicted makespan for
               lora_sweep and for one-trial-at-a-time PEFT, and a measured 16-config subset
               both ways against the prediction (each trial's adapter saved, both ways; each
@@ -294,6 +297,73 @@ def kernels(model_name, seq, n, peak, warmup, steps, log) -> dict:
     del model
     torch.cuda.empty_cache()
     return {"model": model_name, "seq": seq, "adapters": n, **out}
+
+
+def step_host(model_name, seq, n, warmup, steps, log) -> dict:
+    """Where the wall time of a packed step goes (the `kernels` section's job, Triton path):
+    host seconds inside the forward + loss (`PackedJob._adapter_losses`), inside the backward
+    (`torch.autograd.grad`) and inside the optimizer step, each timed around the call with
+    the GPU running behind; Triton launches per step; the synchronising CUDA calls of one
+    step (torch's sync debug mode) and where they come from; the GPU's own time of a step
+    (`gpu_s_per_step`). A step whose host time reaches its wall time is host-bound."""
+    import collections
+    import warnings
+
+    from triton.runtime.jit import JITFunction
+
+    model = build_model(model_name)
+    rows = synthetic_rows(512, seq, seed=1)
+    trials = [ls.TrialConfig(rank=16, alpha=32, dropout=0.0, batch_size=1, max_steps=10**6, seed=i,
+                             trial_id=f"t{i}") for i in range(n)]
+    job = ls.PackedJob(spec_for(model, rows, seq), trials, progress=False)
+    for _ in range(warmup):
+        job.step()
+    host = collections.Counter()
+    patched = [(type(job), "_adapter_losses", "forward_and_loss_s"), (torch.autograd, "grad", "backward_s"),
+               (type(job.optimizer), "step", "optimizer_s"), (JITFunction, "run", None)]
+    originals = [getattr(owner, name) for owner, name, _ in patched]
+
+    def timed(orig, key):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                host[key or "triton_launches"] += (time.perf_counter() - t) if key else 1
+        return call
+
+    for (owner, name, key), orig in zip(patched, originals):
+        setattr(owner, name, timed(orig, key))
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            job.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    finally:
+        for (owner, name, _), orig in zip(patched, originals):
+            setattr(owner, name, orig)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            job.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    out = {"model": model_name, "seq": seq, "adapters": n, "wall_s_per_step": wall,
+           **{k: v / steps for k, v in host.items()}, "syncs_per_step": len(syncs), "sync_sites": syncs,
+           "gpu_s_per_step": gpu_s_per_step(job)}
+    del job
+    strip_adapters(model)
+    del model
+    torch.cuda.empty_cache()
+    log(f"{model_name} seq {seq}, {n} adapters: {wall:.3f} s a step; host {out['forward_and_loss_s']:.3f} s in the "
+        f"forward and loss, {out['backward_s']:.3f} s in the backward, {out['optimizer_s']:.4f} s in the optimizer; "
+        f"{out['triton_launches']:.0f} Triton launches, {len(syncs)} syncs ({', '.join(syncs)}); "
+        f"GPU {out['gpu_s_per_step']:.3f} s")
+    return out
 
 
 def table1_configs(n: int, steps: int, seed: int = 0) -> list[ls.TrialConfig]:
@@ -673,6 +743,9 @@ def main():
         save()
     if "kernels" in sections:
         result["kernels"] = kernels(args.kernels_model, 1024, 16, peak, args.warmup, args.steps, log)
+        save()
+    if "host" in sections:
+        result["host"] = step_host(args.kernels_model, 1024, 16, args.warmup, args.steps, log)
         save()
     if "makespan" in sections:
         result["makespan"] = makespan(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log,

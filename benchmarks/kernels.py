@@ -1,6 +1,6 @@
 """GPU check and benchmark of the fused multi-LoRA kernels (run on the device machine).
 
-    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,profile,host,blocks,tune]
+    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,profile,host,power,blocks,tune]
                                  [--tokens 2048,16384]
 
 Sections:
@@ -18,10 +18,13 @@ Sections:
          also the fused kernels on the base path the default did not choose for the layout,
          and the base and the fused op captured in a CUDA graph (GPU time, no host time).
   lora   32 adapters x 1024 tokens: the LoRA part alone vs the same LoRA matmuls adapter by adapter.
-  gemm   one base GEMM with its LoRA term, Y and dX apart: cuBLAS alone, the TMA kernel as a plain
-         GEMM, the TMA kernel with the LoRA term, cuBLAS + the in-place LoRA add.
+  gemm   one base GEMM with its LoRA term, Y and dX apart, graphed, in turn: cuBLAS alone, the TMA
+         kernel as a plain GEMM, the TMA kernel with the LoRA term after or before its K loop,
+         cuBLAS + the in-place LoRA add.
   profile  where one fused fwd+bwd spends its time: per-kernel GPU time, host enqueue time.
   host   where the host time of one fused fwd+bwd goes: cProfile of many calls, by function.
+  power  the base and the fused layer in CUDA graphs, replayed back to back (with the SM clock
+         and board power meanwhile) and one at a time on an idle GPU.
   blocks the shrink and the row reductions alone: the chosen blocks beside fixed variants.
   tune   block-size / base-path variants of the fused path on a subset of shapes (offline tuning).
 
@@ -237,11 +240,20 @@ def host_enqueue_ms(fn, p, dy, params, calls):
 def gpu_ms(fn, calls=10):
     """GPU time of `fn` in ms: `calls` calls captured in one CUDA graph, the replay's median
     divided by `calls`; no host time, which would bound a launch of a few microseconds of
-    work. Warmed up on a side stream first, as torch's whole-network capture does, so that
-    every kernel is compiled and every cached table built before capture. On the CPU dry
-    run, do_bench."""
+    work (`capture_graph`). On the CPU dry run, do_bench."""
     if DRY:
         return do_bench(fn)
+    graph = capture_graph(fn, calls)
+    ms = do_bench(graph.replay) / calls
+    del graph
+    return ms
+
+
+def capture_graph(fn, calls=1):
+    """`calls` calls of `fn` captured in one CUDA graph. Warmed up on a side stream first, as
+    torch's whole-network capture does, so that every kernel is compiled and every cached
+    table built before capture. The graph holds no reference to fn's inputs: they must
+    outlive it (KERNELS_NOTES v14)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -252,9 +264,7 @@ def gpu_ms(fn, calls=10):
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    ms = do_bench(graph.replay) / calls
-    del graph
-    return ms
+    return graph
 
 
 def fwd_bwd_fn(fn, p):
@@ -265,29 +275,40 @@ def fwd_bwd_fn(fn, p):
     return lambda: fwd_bwd_step(fn, p, dy, params)
 
 
-def interleaved_fwd_bwd_ms(methods, rounds=4):
-    """GPU time of one fwd+bwd of each method ({name: (fn, pack)}): the op's kernels back to
-    back in a CUDA graph (`gpu_ms`), whatever the host's speed (what a graph-captured training
-    step would pay). The methods are timed in turn, `rounds` times, and each gets the median
-    of its rounds: an H100's clock fell from 1980 to 1470 MHz within seconds of fwd+bwd at
-    16384 x 4096 -> 14336 (KERNELS_NOTES v12), which favoured whichever method was timed
-    first. Every other round runs the methods in reverse order, so that no method is always
-    timed right after the same one: in a fixed order, the method timed last came out up to 9%
-    faster than the one before it at 16384 tokens of the wide shapes, where the two differed in
-    a kernel of 0.1 ms (KERNELS_NOTES v14). Each round captures its graph anew and frees it
-    after. Returns ({name: ms}, {name: error}); a method that fails gets None and its error."""
-    times, errors = {name: [] for name in methods}, {}
-    order = list(methods)
+def interleaved_ms(fns, rounds=4):
+    """GPU time of each zero-argument function in `fns` ({name: fn}): the call's kernels back
+    to back in a CUDA graph (`gpu_ms`), whatever the host's speed (what a graph-captured
+    training step would pay). The functions are timed in turn, `rounds` times, and each gets
+    the median of its rounds: an H100's clock fell from 1980 to 1470 MHz within seconds of
+    fwd+bwd at 16384 x 4096 -> 14336 (KERNELS_NOTES v12), which favoured whichever was timed
+    first. Every other round runs them in reverse order, so that none is always timed right
+    after the same one: in a fixed order, the one timed last came out up to 9% faster than
+    the one before it at 16384 tokens of the wide shapes, where the two differed in a kernel
+    of 0.1 ms (KERNELS_NOTES v14). Each round captures its graph anew and frees it after.
+    Returns ({name: ms}, {name: error}); a function that fails gets None and its error."""
+    times, errors = {name: [] for name in fns}, {}
+    order = list(fns)
     for round_ in range(1 if DRY else rounds):
         for name in (order if round_ % 2 == 0 else order[::-1]):
-            fn, p = methods[name]
             if name in errors:  # failed in an earlier round
                 continue
             try:
-                times[name].append(gpu_ms(fwd_bwd_fn(fn, p), calls=1))
+                times[name].append(gpu_ms(fns[name], calls=1))
             except Exception as e:  # recorded, not fatal
                 errors[name] = f"{type(e).__name__}: {e}"[:300]
     return {name: None if name in errors else statistics.median(t) for name, t in times.items()}, errors
+
+
+def interleaved_fwd_bwd_ms(methods, rounds=4):
+    """`interleaved_ms` of one fwd+bwd of each method ({name: (fn, pack)})."""
+    fns, errors = {}, {}
+    for name, (fn, p) in methods.items():
+        try:
+            fns[name] = fwd_bwd_fn(fn, p)
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"[:300]
+    ms, more = interleaved_ms(fns, rounds)
+    return {name: ms.get(name) for name in methods}, {**errors, **more}
 
 
 def rel_err(a, b):
@@ -420,6 +441,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 if chunks_split(p, default):  # the reductions' chunks of config.chunk_rows rows, however few
                     whole_chunks = dataclasses.replace(default, chunks_fill_sms=False)
                     graphed["fused_whole_chunks"] = (lambda q: m_fused(q, whole_chunks), p)
+                if row["fused_base"] and default.lora_term_last:  # the LoRA term before the K loops (v15's)
+                    lora_first = dataclasses.replace(default, lora_term_last=False)
+                    graphed["fused_lora_first"] = (lambda q: m_fused(q, lora_first), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
                 # the backward's keep-mask joined from its four bits, as before `spread_mask` (v14)
                 joined = dataclasses.replace(default, spread_mask=False)
@@ -438,7 +462,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"fused {row['fused_graphed'] or 0:.3f} (two passes over dY "
                       f"{row.get('fused_two_pass_graphed') or 0:.3f}; one rank block "
                       f"{row.get('fused_one_rank_block_graphed') or 0:.3f}; whole chunks "
-                      f"{row.get('fused_whole_chunks_graphed') or 0:.3f}; p=.05 "
+                      f"{row.get('fused_whole_chunks_graphed') or 0:.3f}; LoRA term first "
+                      f"{row.get('fused_lora_first_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
                       f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}) ms", flush=True)
 
@@ -517,49 +542,54 @@ def section_lora(res, device):
 
 
 def section_gemm(res, device):
-    """One base GEMM with its LoRA term, forward (Y) and backward (dX) apart: cuBLAS alone (the
-    floor), the TMA kernel as a plain GEMM (no adapter), the TMA kernel with the LoRA term of 4
-    adapters r16 in its accumulator (dropout 0.05 in dX), and cuBLAS plus the in-place LoRA add."""
+    """One base GEMM with its LoRA term (4 adapters r16), forward (Y) and backward (dX, with the
+    keep-mask of dropout 0.05, and without) apart, timed in turn in CUDA graphs
+    (`interleaved_ms`): cuBLAS alone (the floor), the TMA kernel as a plain GEMM (no adapter),
+    the TMA kernel with the LoRA term in its accumulator as the default places it, the same
+    with an unmasked term before the K loop (`lora_term_last=False`), and cuBLAS plus the
+    in-place LoRA add."""
     from lora_sweep.kernels.lora_gemm import lora_gemm
     from lora_sweep.kernels.metadata import LoRABatchMeta
 
     out_rows = []
     for tokens in TOKENS[::-1]:
         for in_f, out_f in SHAPES:
-            for forward in (True, False):
+            for direction, forward, dropout in (("Y", True, 0.0), ("dX", False, 0.05), ("dX p=0", False, 0.0)):
                 n_dim, k_dim = (out_f, in_f) if forward else (in_f, out_f)
                 g = torch.Generator(device="cpu").manual_seed(tokens + n_dim)
                 dtype = torch.float32 if DRY else torch.bfloat16
                 a = torch.randn(tokens, k_dim, generator=g).to(device, dtype)
                 w = (torch.randn(out_f, in_f, generator=g) / math.sqrt(k_dim)).to(device, dtype)
                 cublas = (lambda: a @ w.t()) if forward else (lambda: a @ w)
-                row = dict(tokens=tokens, in_f=in_f, out_f=out_f, direction="Y" if forward else "dX",
-                           cublas_ms=do_bench(cublas))
                 seg_lens = [tokens // 4] * 4
-                for name, rank, fused in (("tma_gemm_only", 0, True), ("tma_with_lora", 16, True),
-                                          ("cublas_plus_add", 16, False)):
+                mask = torch.randint(0, 16, (tokens, -(-n_dim // 4)), generator=g, dtype=torch.uint8).to(device)
+                fns, outs = {"cublas": cublas}, {}
+                for name, rank, fused, changes in (("tma_gemm_only", 0, True, {}), ("tma_with_lora", 16, True, {}),
+                                                   ("tma_with_lora_first", 16, True, dict(lora_term_last=False)),
+                                                   ("cublas_plus_add", 16, False, {})):
                     lora_a = [torch.randn(rank, in_f, device=device) if rank else None for _ in seg_lens]
                     lora_b = [torch.randn(out_f, rank, device=device) if rank else None for _ in seg_lens]
-                    cfg = meta_mod.config_for(16, not DRY, fused)
-                    meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, [2.0] * 4, [0.05] * 4, [1, 2, 3, 4],
+                    cfg = dataclasses.replace(meta_mod.config_for(16, not DRY, fused), **changes)
+                    meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, [2.0] * 4, [dropout] * 4, [1, 2, 3, 4],
                                                in_f, out_f, device, cfg)
                     s = torch.randn(tokens, meta.rank_stride, generator=g).to(device, dtype)
                     pack = torch.randn(max(meta.r_total, 1), n_dim, generator=g).to(device, dtype)
-                    mask = torch.randint(0, 16, (tokens, -(-n_dim // 4)), generator=g, dtype=torch.uint8).to(device)
                     out = torch.empty(tokens, n_dim, device=device, dtype=dtype)
 
-                    def run():
+                    def run(fused=fused, meta=meta, s=s, pack=pack, out=out):
                         o = out if fused else cublas()
                         lora_gemm(a, w, None, s, pack, o, meta, forward=forward, fused_base=fused, mask_nibbles=mask)
 
-                    if rank == 0:  # as a plain GEMM it must agree with cuBLAS
-                        run()
-                        row["tma_gemm_only_rel_err"] = rel_err(out, cublas())
-                    row[name + "_ms"] = do_bench(run)
+                    fns[name], outs[name] = run, out
+                row = dict(tokens=tokens, in_f=in_f, out_f=out_f, direction=direction)
+                fns["tma_gemm_only"]()  # as a plain GEMM it must agree with cuBLAS
+                row["tma_gemm_only_rel_err"] = rel_err(outs["tma_gemm_only"], cublas())
+                ms, errors = interleaved_ms(fns)
+                row.update({k + "_ms": v for k, v in ms.items()})
+                row.update({k + "_error": e for k, e in errors.items()})
                 out_rows.append(row)
-                print(f"gemm {tokens} {in_f}->{out_f} {row['direction']:>2}: cuBLAS {row['cublas_ms']:.3f}, TMA GEMM "
-                      f"{row['tma_gemm_only_ms']:.3f}, TMA GEMM + LoRA {row['tma_with_lora_ms']:.3f}, cuBLAS + add "
-                      f"{row['cublas_plus_add_ms']:.3f} ms", flush=True)
+                print(f"gemm {tokens} {in_f}->{out_f} {direction:>6}: " +
+                      ", ".join(f"{k} {v:.4f}" for k, v in ms.items() if v is not None) + " ms", flush=True)
     res["gemm"] = out_rows
 
 
@@ -606,6 +636,99 @@ def section_profile(res, device):
         for k in kernels[:12]:
             print(f"   {k[0]:8.4f} ms  x{k[1]:<4.1f} {k[2]}", flush=True)
     res["profile"] = out
+
+
+POWER_ROWS = ((4096, 4096, 16384, 4, "16"), (4096, 14336, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"),
+              (4096, 4096, 2048, 4, "16"))
+
+
+def gpu_state():
+    """(SM clock in MHz, board power in W) now: torch's NVML queries, else nvidia-smi; Nones
+    where neither answers."""
+    try:
+        return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1e3
+    except Exception:
+        pass
+    try:
+        import subprocess
+
+        line = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                               "-i", str(torch.cuda.current_device())], capture_output=True, text=True, timeout=5).stdout
+        mhz, watts = (float(v) for v in line.strip().split(","))
+        return mhz, watts
+    except Exception:
+        return None, None
+
+
+def timed_replays(graph, n, idle_s=0.0):
+    """GPU time of each of `n` replays of `graph` (CUDA events), and (clock, power) samples
+    taken while they run. With `idle_s`, the GPU idles that long before each replay: a short
+    burst on a cool GPU. Without, the replays run back to back, as a long training run does."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    samples = []
+    for start, end in events:
+        if idle_s:
+            torch.cuda.synchronize()
+            time.sleep(idle_s)
+        start.record()
+        graph.replay()
+        end.record()
+    while not events[-1][1].query():  # the host queued every replay; sample while the GPU runs them
+        samples.append(gpu_state())
+        time.sleep(0.05)
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events], samples
+
+
+def section_power(res, device):
+    """The same fwd+bwd graphs of the frozen base and of the fused layer, timed two ways:
+    back to back for `seconds` (the median of the second half, with the SM clock and board
+    power sampled meanwhile), and one replay at a time on a GPU left idle for 50 ms before
+    each. Under a long run's power limit the clock falls, and whatever reads and writes more
+    memory for the same FLOPs pays for it twice: in bytes, and in the clock that the extra
+    power costs every kernel. The two ratios apart show how much of the fused layer's
+    margin over the base is that."""
+    out = []
+    seconds = 0.2 if DRY else 1.5
+    for in_f, out_f, tokens, n, kind in POWER_ROWS:
+        if DRY:
+            in_f, out_f, tokens = 64, 48, 64
+        ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
+        p = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind)
+        if DRY:  # the interpreter has no graphs: the script's logic only
+            row.update(base_sustained_ms=do_bench(fwd_bwd_fn(m_base, p)), fused_sustained_ms=do_bench(fwd_bwd_fn(m_fused, p)))
+            out.append(row)
+            continue
+        fns = {"base": fwd_bwd_fn(m_base, p), "fused": fwd_bwd_fn(m_fused, p)}
+        graphs = {name: capture_graph(fn) for name, fn in fns.items()}
+        estimate = {name: statistics.median(timed_replays(g, 5)[0]) for name, g in graphs.items()}
+        runs = {(name, way): [] for name in graphs for way in ("sustained", "spaced")}
+        clocks = {name: [] for name in graphs}
+        for order in (("base", "fused"), ("fused", "base")):  # each method first once
+            for name in order:
+                times, samples = timed_replays(graphs[name], max(20, int(seconds * 1e3 / estimate[name])))
+                runs[name, "sustained"] += times[len(times) // 2:]
+                clocks[name] += samples[len(samples) // 2:]
+            for name in order:
+                runs[name, "spaced"] += timed_replays(graphs[name], 12, idle_s=0.05)[0]
+        for (name, way), times in runs.items():
+            row[f"{name}_{way}_ms"] = statistics.median(times)
+        for name, samples in clocks.items():
+            mhz = [c for c, _ in samples if c is not None]
+            watts = [w for _, w in samples if w is not None]
+            row[f"{name}_sustained_sm_mhz"] = statistics.median(mhz) if mhz else None
+            row[f"{name}_sustained_watts"] = statistics.median(watts) if watts else None
+        row["idle_sm_mhz"], row["idle_watts"] = gpu_state()
+        del graphs
+        out.append(row)
+        print(f"power {in_f}->{out_f} tok={tokens} n={n} r={kind}: fused over base "
+              f"{row['fused_sustained_ms'] / row['base_sustained_ms']:.3f}x back to back "
+              f"({row['base_sustained_ms']:.3f} / {row['fused_sustained_ms']:.3f} ms; SM MHz "
+              f"{row['base_sustained_sm_mhz']} / {row['fused_sustained_sm_mhz']}; W {row['base_sustained_watts']} / "
+              f"{row['fused_sustained_watts']}), {row['fused_spaced_ms'] / row['base_spaced_ms']:.3f}x one at a time "
+              f"({row['base_spaced_ms']:.3f} / {row['fused_spaced_ms']:.3f} ms)", flush=True)
+    res["power"] = out
 
 
 def launch_host_us(calls=5000):
@@ -928,6 +1051,8 @@ def summarize(res):
                 ("graphed_fit_rank_block_over_one_rank_block", "fused", "fused_one_rank_block", False),
                 # the reductions' chunks shortened to fill the SMs, against whole
                 ("graphed_chunks_fill_sms_over_whole_chunks", "fused", "fused_whole_chunks", False),
+                # the fused GEMMs' unmasked LoRA term after their K loops, against before
+                ("graphed_lora_last_over_lora_first", "fused", "fused_lora_first", False),
                 # with dropout, the backward's keep-mask spread, against joined
                 ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False)):
             ratios = [r[num + "_graphed"] / r[den + "_graphed"] for r in big
@@ -954,6 +1079,11 @@ def summarize(res):
         s["profile_gpu_fused_over_base"] = {
             f"{r['in_f']}->{r['out_f']} tok={r['tokens']} n={r['adapters']} r={r['rank']}":
                 r["gpu_kernel_ms"] / r["base_gpu_kernel_ms"] for r in res["profile"] if r["base_gpu_kernel_ms"]}
+    if res.get("power") and not DRY:  # fused over base, graphed: back to back, and one replay at a time
+        s["power_fused_over_base"] = {
+            f"{r['in_f']}->{r['out_f']} tok={r['tokens']} n={r['adapters']} r={r['rank']}":
+                dict(back_to_back=r["fused_sustained_ms"] / r["base_sustained_ms"],
+                     one_at_a_time=r["fused_spaced_ms"] / r["base_spaced_ms"]) for r in res["power"]}
     if res.get("lora_only"):
         s["lora_only_speedup_32x1024"] = {f"{r['in_f']}->{r['out_f']} r={r['rank']}": r["speedup"] for r in res["lora_only"]}
         if all("speedup_added" in r for r in res["lora_only"]):  # (v15 on)
@@ -1018,6 +1148,8 @@ def main():
                 section_profile(res, device)
             elif sec == "host":
                 section_host(res, device)
+            elif sec == "power":
+                section_power(res, device)
             elif sec == "gemm":
                 section_gemm(res, device)
             elif sec == "lora":

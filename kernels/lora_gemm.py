@@ -65,14 +65,30 @@ def _lora_gemm_kernel(
     GROUP_M: tl.constexpr,  # tiles per L2 group (triton tutorial 03's grouped ordering)
     K_STAGES: tl.constexpr,  # software-pipeline depth of the K loop
     WARP_SPECIALIZE: tl.constexpr,  # split the K loop's warps into loaders and MMA issuers
+    LORA_LAST: tl.constexpr,  # the LoRA term after the K loop, its first operands loaded before it (no mask)
 ):
     """The fused path: out = the tile's LoRA term + the base GEMM (+ bias), written once."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for t in tl.range(tl.program_id(0), n_tiles * num_pid_n, n_programs):
         tile, n0 = _grouped_tile(t, n_tiles, num_pid_n, GROUP_M, BLOCK_N)
-        acc, offs_m, offs_n, m_mask, n_mask, row_start, _ = _lora_term(
-            s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, n_groups,
-            stride_sm, FORWARD, OUT_DROPOUT, SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
+        if LORA_LAST:
+            # The first rank step's S and L tiles are loaded here and used after the K loop,
+            # so their loads overlap it instead of holding back its first TMA loads. Only
+            # where no dropout mask applies: a masked term needs its own accumulator.
+            adapter, row_start, row_end = load_row_block(tiles_ptr, tile)
+            rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
+                adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+            offs_m = row_start + tl.arange(0, BLOCK_M)
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            m_mask = offs_m < row_end
+            n_mask = offs_n < N
+            st, lt = _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, 0, rank, r_offset, scale, N,
+                                    stride_sm, FORWARD, BLOCK_R)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc, offs_m, offs_n, m_mask, n_mask, row_start, _ = _lora_term(
+                s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, n_groups,
+                stride_sm, FORWARD, OUT_DROPOUT, SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
         # the base product accumulates on top of it; rows past the tile's end (the next
         # adapter's, or zeros past M) are computed and never stored
         for ki in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=K_STAGES, warp_specialize=WARP_SPECIALIZE):
@@ -81,6 +97,13 @@ def _lora_gemm_kernel(
                 acc = tl.dot(at, w_desc.load([n0, ki * BLOCK_K]).T, acc)
             else:
                 acc = tl.dot(at, w_desc.load([ki * BLOCK_K, n0]), acc)
+        if LORA_LAST:
+            if rank > 0:
+                acc = tl.dot(st, lt, acc)
+                for r0 in tl.range(BLOCK_R, rank, BLOCK_R, num_stages=1):  # ranks above one step
+                    st, lt = _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_offset,
+                                            scale, N, stride_sm, FORWARD, BLOCK_R)
+                    acc = tl.dot(st, lt, acc)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -166,6 +189,22 @@ def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_
     return acc, offs_m, offs_n, m_mask, n_mask, row_start, rank
 
 
+@triton.jit
+def _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_offset, scale, N, stride_sm,
+                   FORWARD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rank step r0 of a tile's LoRA term as two MMA operands: S_tile[:, r0:r0 + BLOCK_R] (times
+    scale_i in the forward, rounded to S's dtype) and L_i's rows r0.. for the tile's columns."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    st = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :],
+                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+    if FORWARD:
+        st = (st.to(tl.float32) * scale).to(s_ptr.dtype.element_ty)
+    lt = tl.load(lora_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :],
+                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    return st, lt
+
+
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether TMA can describe each 2-D tensor: rows contiguous, the row stride and the
     start aligned to 16 bytes (so bf16 widths must be multiples of 8)."""
@@ -225,7 +264,8 @@ def lora_gemm(
     _lora_gemm_kernel[(grid,)](a_desc, w_desc, bias if bias is not None else out, s, lora_pack, out, mask,
                                *meta.args(), N, K, meta.n_tiles, cdiv(N, 4), grid, s.stride(0), out.stride(0),
                                HAS_BIAS=bias is not None, BLOCK_K=cfg.gemm_block_k, K_STAGES=cfg.gemm_stages,
-                               WARP_SPECIALIZE=warp_specialize, num_warps=cfg.gemm_warps, **common)
+                               WARP_SPECIALIZE=warp_specialize, LORA_LAST=cfg.lora_term_last and not out_dropout,
+                               num_warps=cfg.gemm_warps, **common)
     return out
 
 

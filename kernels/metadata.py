@@ -48,6 +48,8 @@ class KernelConfig:
     group_m: int = 8  # m-tiles per L2 swizzle group
     fused_base: bool = True  # False: cuBLAS base GEMM, then the LoRA term added in place (also where TMA cannot)
     fuse_dx: bool = True  # with fused_base, the backward's dX GEMM too (else only the forward's Y)
+    # with fused_base and no dropout mask on the term, the LoRA term after the K loop, not before it
+    lora_term_last: bool = True
     # the LoRA term added in place to a cuBLAS product
     add_block_n: int = 128
     add_warps: int = 4

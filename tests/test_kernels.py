@@ -67,6 +67,8 @@ CONFIGS = {
     # the backward reads the dropout mask joined from its four bits (the others spread over the
     # columns, `load_keep_mask`)
     "joined_mask": dataclasses.replace(INTERPRET_CONFIG, spread_mask=False),
+    # the fused GEMM adds an unmasked LoRA term before its K loop (the others after it)
+    "lora_term_first": dataclasses.replace(INTERPRET_CONFIG, lora_term_last=False),
 }
 
 
@@ -189,6 +191,12 @@ def test_matches_reference(n_adapters, seed, config):
 
 def test_matches_reference_forty_adapters():
     check_against_reference(random_case(40, 7, max_rows=6), CONFIGS["split_chunks"])
+
+
+@pytest.mark.parametrize("config", ["fused", "lora_term_first"])
+def test_matches_reference_without_dropout(config):
+    # no mask on dX's LoRA term either: both fused GEMMs take it after their K loop (or before)
+    check_against_reference(random_case(5, 31, dropout=False, ranks=(3, 16, 17, 40)), CONFIGS[config])
 
 
 def test_large_ranks_span_several_rank_blocks():
@@ -370,7 +378,7 @@ def test_packed_adapters_equal_the_reference(dtype, a_by, monkeypatch):
     assert torch.equal(transpose_cast(src, torch.float32, block=16), src.t())
 
 
-@pytest.mark.parametrize("config", ["fused", "split_chunks"])
+@pytest.mark.parametrize("config", ["fused", "split_chunks", "lora_term_first"])
 def test_each_kernel_matches_its_reference(config):
     case = random_case(6, 21)
     x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case

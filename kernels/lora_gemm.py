@@ -3,10 +3,13 @@
 Forward:  Y  = x @ W^T + bias + scale_i * S @ B_i^T          (S from the shrink)
 Backward: dX = dY @ W + keep_i / (1 - p_i) * (dS @ A_i)      (dS from the shrink of dY)
 
-The LoRA term is computed first into the fp32 accumulator (the backward applies the dropout
-mask there, read from the nibbles the forward shrink stored), then the base GEMM
-accumulates on top, so the output is written once (LoRAFusion's fused expand):
-`_lora_gemm_kernel`. Its base operands arrive through TMA descriptors (Hopper's bulk tensor
+The LoRA term and the base GEMM share one fp32 accumulator, so the output is written once
+(LoRAFusion's fused expand): `_lora_gemm_kernel`. An unmasked term (the forward's, and dX's
+when no adapter has dropout) is added after the K loop, its first operands loaded before it
+so that their loads overlap the loop (`KernelConfig.lora_term_last`; 1.3% less layer time,
+median, KERNELS_NOTES v16). dX's masked term (the nibbles the forward shrink stored) is
+computed first, before the accumulator holds anything else: masking it later would take a
+second accumulator. Its base operands arrive through TMA descriptors (Hopper's bulk tensor
 copies, zero-filled past the edges): with them the GEMM runs within 3-5% of cuBLAS, where
 pointer-based loads reached ~75%. `_lora_add_kernel` instead adds the LoRA term in place to
 a base product cuBLAS already wrote to `out` (one extra read and write of it): for operands

@@ -78,13 +78,9 @@ def _lora_gemm_kernel(
             # The first rank step's S and L tiles are loaded here and used after the K loop,
             # so their loads overlap it instead of holding back its first TMA loads. Only
             # where no dropout mask applies: a masked term needs its own accumulator.
-            adapter, row_start, row_end = load_row_block(tiles_ptr, tile)
-            rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
-                adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
-            offs_m = row_start + tl.arange(0, BLOCK_M)
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            m_mask = offs_m < row_end
-            n_mask = offs_n < N
+            row_start, rank, threshold, r_offset, scale, inv_keep, offs_m, offs_n, m_mask, n_mask = _tile_setup(
+                tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, N_INT_COLS, N_FLOAT_COLS, BLOCK_M,
+                BLOCK_N)
             st, lt = _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, 0, rank, r_offset, scale, N,
                                     stride_sm, FORWARD, BLOCK_R)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -162,29 +158,19 @@ def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_
     """A tile's LoRA term in fp32: S_tile @ L_i[:, n block] over its adapter's own rank, times
     scale_i (forward) or masked by the adapter's dropout (backward); zeros for an adapter
     without LoRA. Also returns the tile's row/column offsets and masks, first row and rank."""
-    adapter, row_start, row_end = load_row_block(tiles_ptr, tile)
-    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
-        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
-    offs_m = row_start + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < row_end
-    n_mask = offs_n < N
+    row_start, rank, threshold, r_offset, scale, inv_keep, offs_m, offs_n, m_mask, n_mask = _tile_setup(
+        tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if rank > 0:
         if OUT_DROPOUT:  # loaded before the accumulator is live: less register pressure
             keep = tl.full((BLOCK_M, BLOCK_N), 1, tl.int1)
             if threshold > 0:
                 keep = load_keep_mask(mask_ptr, offs_m.to(tl.int64), m_mask, n0, n_groups, BLOCK_N, SPREAD_MASK)
-        offs_r = tl.arange(0, BLOCK_R)
-        s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :]
-        l_ptrs = lora_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :]  # (r, n) tile of the adapter's rows
         for r0 in tl.range(0, rank, BLOCK_R, num_stages=1):  # a few steps: not worth pipeline buffers
-            r_mask = (r0 + offs_r) < rank
-            st = tl.load(s_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-            lt = tl.load(l_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            # the scale multiplies the fp32 term below, not S's rounded tile
+            st, lt = _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_offset, scale, N,
+                                    stride_sm, False, BLOCK_R)
             acc = tl.dot(st, lt, acc)
-            s_ptrs += BLOCK_R
-            l_ptrs += BLOCK_R * N
         if FORWARD:
             acc = acc * scale
         if OUT_DROPOUT:
@@ -193,15 +179,28 @@ def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_
 
 
 @triton.jit
+def _tile_setup(tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, N_INT_COLS: tl.constexpr,
+                N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's first row and its adapter's rank, dropout threshold, row offset in the packed
+    adapters, scale and 1 / (1 - p); the tile's row and column offsets and their masks."""
+    adapter, row_start, row_end = load_row_block(tiles_ptr, tile)
+    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
+        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return row_start, rank, threshold, r_offset, scale, inv_keep, offs_m, offs_n, offs_m < row_end, offs_n < N
+
+
+@triton.jit
 def _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_offset, scale, N, stride_sm,
-                   FORWARD: tl.constexpr, BLOCK_R: tl.constexpr):
+                   SCALE_S: tl.constexpr, BLOCK_R: tl.constexpr):
     """Rank step r0 of a tile's LoRA term as two MMA operands: S_tile[:, r0:r0 + BLOCK_R] (times
-    scale_i in the forward, rounded to S's dtype) and L_i's rows r0.. for the tile's columns."""
+    scale_i if SCALE_S, rounded to S's dtype) and L_i's rows r0.. for the tile's columns."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     st = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :],
                  mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-    if FORWARD:
+    if SCALE_S:
         st = (st.to(tl.float32) * scale).to(s_ptr.dtype.element_ty)
     lt = tl.load(lora_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :],
                  mask=r_mask[:, None] & n_mask[None, :], other=0.0)

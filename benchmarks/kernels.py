@@ -1,6 +1,6 @@
 """GPU check and benchmark of the fused multi-LoRA kernels (run on the device machine).
 
-    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,profile,host,power,blocks,tune]
+    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,ragged,profile,host,power,blocks,tune]
                                  [--tokens 2048,16384]
 
 Sections:
@@ -18,6 +18,8 @@ Sections:
          also the fused kernels on the base path the default did not choose for the layout,
          and the base and the fused op captured in a CUDA graph (GPU time, no host time).
   lora   32 adapters x 1024 tokens: the LoRA part alone vs the same LoRA matmuls adapter by adapter.
+  ragged packs of segments of uneven lengths, as the engine packs samples: base, fused, and
+         cuBLAS + the in-place LoRA add, graphed, in turn.
   gemm   one base GEMM with its LoRA term, Y and dX apart, graphed, in turn: cuBLAS alone, the TMA
          kernel as a plain GEMM, the TMA kernel with the LoRA term after or before its K loop,
          cuBLAS + the in-place LoRA add.
@@ -422,7 +424,7 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                         row[name] = None
                         row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
                 # the base path the default did not choose (TMA-fused GEMM or cuBLAS + in-place add)
-                row["fused_base"] = meta_mod.fuse_base_for(p["seg_lens"])
+                row["fused_base"] = True  # 16-bit inputs on the GPU (`triton_multi_lora_linear`)
                 alt = meta_mod.config_for(max(ranks), not DRY, not row["fused_base"])
                 row["fused_alt"] = bench_fwd_bwd(lambda q: m_fused(q, alt), p)
                 default = meta_mod.config_for(max(ranks), not DRY, row["fused_base"])
@@ -432,6 +434,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 pd = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
                 row["fused_dropout"] = bench_fwd_bwd(m_fused, pd)
                 graphed = dict(base=(m_base, p), fused=(m_fused, p))
+                # cuBLAS base GEMMs plus the in-place LoRA add: before v17, the path of packs whose
+                # segments would have padded the fused GEMM's 128-row tiles by over 5%
+                graphed["fused_in_place"] = (lambda q: m_fused(q, alt), p)
                 if default.one_pass_dy:  # dS and dB in two passes over dY, as before one_pass_dy
                     two_pass = dataclasses.replace(default, one_pass_dy=False)
                     graphed["fused_two_pass"] = (lambda q: m_fused(q, two_pass), p)
@@ -463,9 +468,52 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_two_pass_graphed') or 0:.3f}; one rank block "
                       f"{row.get('fused_one_rank_block_graphed') or 0:.3f}; whole chunks "
                       f"{row.get('fused_whole_chunks_graphed') or 0:.3f}; LoRA term first "
-                      f"{row.get('fused_lora_first_graphed') or 0:.3f}; p=.05 "
+                      f"{row.get('fused_lora_first_graphed') or 0:.3f}; in place "
+                      f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
                       f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}) ms", flush=True)
+
+
+RAGGED_PACKS = [(16, "16"), (32, "mixed")]
+
+
+def ragged_seg_lens(tokens, n, rng):
+    """`n` segment lengths summing to `tokens`, each 0.5-1.5x the mean, as the engine's packing of
+    whole samples gives them: none a multiple of the 128-row block but by chance."""
+    weights = [rng.uniform(0.5, 1.5) for _ in range(n)]
+    lens = [max(1, int(tokens * w / sum(weights))) for w in weights]
+    lens[-1] += tokens - sum(lens)
+    return lens
+
+
+def section_ragged(res, device):
+    """Packs of ragged segments (`ragged_seg_lens`), fwd+bwd graphed in turn: the frozen base,
+    the fused layer (row blocks: its tiles cut at the segments' ends, `metadata`) and cuBLAS
+    plus the in-place LoRA add. `padding` is the fraction of rows that padding every segment
+    to the 128-row tile would have added: up to v16 such packs ran the fused GEMM padded
+    where that was at most 5%, else cuBLAS plus the add."""
+    out = []
+    for in_f, out_f in SHAPES:
+        for tokens in TOKENS:
+            for n, kind in RAGGED_PACKS:
+                rng = random.Random(n * 11 + tokens)
+                ranks = ranks_for(n, kind, rng)
+                seg_lens = ragged_seg_lens(tokens, n, rng)
+                p = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device, seg_lens=seg_lens)
+                in_place = meta_mod.config_for(max(ranks), not DRY, False)
+                ms, errors = interleaved_fwd_bwd_ms(dict(base=(m_base, p), fused=(m_fused, p),
+                                                         fused_in_place=(lambda q: m_fused(q, in_place), p)))
+                padded = sum(-(-s // meta_mod.FUSED_BLOCK_M) * meta_mod.FUSED_BLOCK_M for s in seg_lens)
+                row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, ranks=ranks,
+                           seg_lens=seg_lens, padding=padded / tokens - 1, **{k + "_graphed": v for k, v in ms.items()},
+                           **{k + "_graphed_error": e for k, e in errors.items()})
+                out.append(row)
+                if ms["base"] and ms["fused"] and ms["fused_in_place"]:
+                    print(f"ragged {in_f}->{out_f} tok={tokens} n={n} r={kind} (padding {row['padding']:.1%}): "
+                          f"base {ms['base']:.3f} fused {ms['fused']:.3f} ({ms['fused'] / ms['base']:.3f}x) "
+                          f"in place {ms['fused_in_place']:.3f} ({ms['fused_in_place'] / ms['base']:.3f}x) ms",
+                          flush=True)
+    res["ragged"] = out
 
 
 def section_lora(res, device):
@@ -861,7 +909,7 @@ def section_blocks(res, device):
     for in_f, out_f, tokens, n, kind in BLOCK_PACKS:
         ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
         p = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
-        cfg = meta_mod.config_for(max(ranks), not DRY, meta_mod.fuse_base_for(p["seg_lens"]))
+        cfg = meta_mod.config_for(max(ranks), not DRY, True)
         meta = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"], p["seed"],
                                    in_f, out_f, device, cfg)
         x = p["x"].detach()
@@ -1053,6 +1101,8 @@ def summarize(res):
                 ("graphed_chunks_fill_sms_over_whole_chunks", "fused", "fused_whole_chunks", False),
                 # the fused GEMMs' unmasked LoRA term after their K loops, against before
                 ("graphed_lora_last_over_lora_first", "fused", "fused_lora_first", False),
+                # the TMA GEMMs with the LoRA term fused, against cuBLAS plus the in-place add
+                ("graphed_fused_over_in_place", "fused", "fused_in_place", False),
                 # with dropout, the backward's keep-mask spread, against joined
                 ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False)):
             ratios = [r[num + "_graphed"] / r[den + "_graphed"] for r in big
@@ -1084,6 +1134,14 @@ def summarize(res):
             f"{r['in_f']}->{r['out_f']} tok={r['tokens']} n={r['adapters']} r={r['rank']}":
                 dict(back_to_back=r["fused_sustained_ms"] / r["base_sustained_ms"],
                      one_at_a_time=r["fused_spaced_ms"] / r["base_spaced_ms"]) for r in res["power"]}
+    if res.get("ragged"):
+        rows = [r for r in res["ragged"] if r.get("fused_graphed") and r.get("fused_in_place_graphed")]
+        if rows:
+            s["ragged_fused_over_in_place"] = dict(**spread([r["fused_graphed"] / r["fused_in_place_graphed"]
+                                                             for r in rows]), of=len(rows))
+            ratios = [r["fused_graphed"] / r["base_graphed"] for r in rows]
+            s["ragged_fused_over_base"] = dict(**spread(ratios), within_1_15=sum(x <= 1.15 for x in ratios),
+                                               of=len(ratios))
     if res.get("lora_only"):
         s["lora_only_speedup_32x1024"] = {f"{r['in_f']}->{r['out_f']} r={r['rank']}": r["speedup"] for r in res["lora_only"]}
         if all("speedup_added" in r for r in res["lora_only"]):  # (v15 on)
@@ -1154,6 +1212,8 @@ def main():
                 section_gemm(res, device)
             elif sec == "lora":
                 section_lora(res, device)
+            elif sec == "ragged":
+                section_ragged(res, device)
             elif sec == "blocks":
                 section_blocks(res, device)
             elif sec == "tune":

@@ -1,10 +1,14 @@
-"""Base GEMM with each tile's own LoRA term folded into its accumulator.
+"""Base GEMM with the LoRA terms of its rows folded into its accumulator.
 
 Forward:  Y  = x @ W^T + bias + scale_i * S @ B_i^T          (S from the shrink)
 Backward: dX = dY @ W + keep_i / (1 - p_i) * (dS @ A_i)      (dS from the shrink of dY)
 
 The LoRA term and the base GEMM share one fp32 accumulator, so the output is written once
-(LoRAFusion's fused expand): `_lora_gemm_kernel`. An unmasked term (the forward's, and dX's
+(LoRAFusion's fused expand): `_lora_gemm_kernel`. The GEMM works on row blocks of `block_m`
+rows, whichever adapters they hold, and adds the LoRA term tile by tile (`metadata`: a tile
+is one adapter's rows within a row block), each tile's rows of S times its own adapter's
+matrix. So segments are never padded to the block height, and a block holding several
+short segments costs one small MMA per segment more. An unmasked term (the forward's, and dX's
 when no adapter has dropout) is added after the K loop, its first operands loaded before it
 so that their loads overlap the loop (`KernelConfig.lora_term_last`; 1.3% less layer time,
 median, KERNELS_NOTES v16). dX's masked term (the nibbles the forward shrink stored) is
@@ -13,12 +17,11 @@ second accumulator. Its base operands arrive through TMA descriptors (Hopper's b
 copies, zero-filled past the edges): with them the GEMM runs within 3-5% of cuBLAS, where
 pointer-based loads reached ~75%. `_lora_add_kernel` instead adds the LoRA term in place to
 a base product cuBLAS already wrote to `out` (one extra read and write of it): for operands
-TMA cannot describe, and for packs of short segments, whose 128-row tiles would be mostly
-padding (`metadata.fuse_base_for`).
+TMA cannot describe, and for 32-bit inputs, whose fused dot would run in TF32.
 
 The LoRA MMAs run on the base operand's dtype (bf16 on GPU: S/dS are stored in it and the
-adapters are packed in it per call) with fp32 accumulation. The rank loop steps over the tile's
-own adapter's rank, so small ranks are not padded to the pack's largest one.
+adapters are packed in it per call) with fp32 accumulation. The rank loop steps over each
+tile's own adapter's rank, so small ranks are not padded to the pack's largest one.
 """
 
 from __future__ import annotations
@@ -44,15 +47,17 @@ def _lora_gemm_kernel(
     lora_ptr,  # [R_total, N] packed adapters in a's dtype: B^T (forward) or A (backward); adapter i at row r_offset_i
     out_ptr,  # [M, N], written
     mask_ptr,  # uint8 [M, n_groups]: the forward's keep-mask nibbles (read if OUT_DROPOUT)
+    block_tiles_ptr,  # int64 [n_blocks + 1]: row block b holds tiles block_tiles[b] .. block_tiles[b + 1]
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
     seeds_ptr,  # int64 [n_adapters]: this layer's dropout seeds
+    M,
     N,
     K,
-    n_tiles,
+    n_blocks,
     n_groups,
-    n_programs,  # the grid's size: with fewer programs than (tile, n block) pairs, each loops over several
+    n_programs,  # the grid's size: with fewer programs than (row block, n block) pairs, each loops over several
     stride_sm,
     stride_om,
     FORWARD: tl.constexpr,  # Y: scale_i, W read as [N, K]; else dX: W read as [K, N]
@@ -61,35 +66,39 @@ def _lora_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     N_INT_COLS: tl.constexpr,
     N_FLOAT_COLS: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows per tile (= the tile table's)
+    BLOCK_M: tl.constexpr,  # rows per row block (= the tables' block_m)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,  # rank step of the LoRA term
-    GROUP_M: tl.constexpr,  # tiles per L2 group (triton tutorial 03's grouped ordering)
+    GROUP_M: tl.constexpr,  # row blocks per L2 group (triton tutorial 03's grouped ordering)
     K_STAGES: tl.constexpr,  # software-pipeline depth of the K loop
     WARP_SPECIALIZE: tl.constexpr,  # split the K loop's warps into loaders and MMA issuers
     LORA_LAST: tl.constexpr,  # the LoRA term after the K loop, its first operands loaded before it (no mask)
 ):
-    """The fused path: out = the tile's LoRA term + the base GEMM (+ bias), written once."""
+    """The fused path: out = the row block's LoRA terms + the base GEMM (+ bias), written once."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    for t in tl.range(tl.program_id(0), n_tiles * num_pid_n, n_programs):
-        tile, n0 = _grouped_tile(t, n_tiles, num_pid_n, GROUP_M, BLOCK_N)
+    for t in tl.range(tl.program_id(0), n_blocks * num_pid_n, n_programs):
+        block, n0 = _grouped_tile(t, n_blocks, num_pid_n, GROUP_M, BLOCK_N)
+        row_start = block * BLOCK_M
+        offs_m = row_start + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        first_tile = tl.load(block_tiles_ptr + block).to(tl.int32)
+        end_tile = tl.load(block_tiles_ptr + block + 1).to(tl.int32)
         if LORA_LAST:
-            # The first rank step's S and L tiles are loaded here and used after the K loop,
-            # so their loads overlap it instead of holding back its first TMA loads. Only
-            # where no dropout mask applies: a masked term needs its own accumulator.
-            row_start, rank, threshold, r_offset, scale, inv_keep, offs_m, offs_n, m_mask, n_mask = _tile_setup(
-                tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, N_INT_COLS, N_FLOAT_COLS, BLOCK_M,
-                BLOCK_N)
-            st, lt = _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, 0, rank, r_offset, scale, N,
+            # The first tile's first rank step of S and L is loaded here and used after the K
+            # loop, so its loads overlap the loop instead of holding back its first TMA loads.
+            # Only where no dropout mask applies: a masked term needs its own accumulator.
+            rank, _, r_offset, scale, _, rows = _tile_of_block(tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,
+                                                               first_tile, offs_m, N_INT_COLS, N_FLOAT_COLS)
+            st, lt = _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, rows, n_mask, 0, rank, r_offset, scale, N,
                                     stride_sm, FORWARD, BLOCK_R)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
-            acc, offs_m, offs_n, m_mask, n_mask, row_start, _ = _lora_term(
-                s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, n_groups,
-                stride_sm, FORWARD, OUT_DROPOUT, SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
-        # the base product accumulates on top of it; rows past the tile's end (the next
-        # adapter's, or zeros past M) are computed and never stored
+            acc, _ = _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,
+                                first_tile, end_tile, offs_m, n0, N, n_groups, stride_sm, FORWARD, OUT_DROPOUT,
+                                SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
+        # the base product accumulates on top of it; rows past M are zeros from TMA, never stored
         for ki in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=K_STAGES, warp_specialize=WARP_SPECIALIZE):
             at = a_desc.load([row_start, ki * BLOCK_K])
             if FORWARD:
@@ -99,21 +108,27 @@ def _lora_gemm_kernel(
         if LORA_LAST:
             if rank > 0:
                 acc = tl.dot(st, lt, acc)
-                for r0 in tl.range(BLOCK_R, rank, BLOCK_R, num_stages=1):  # ranks above one step
-                    st, lt = _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_offset,
-                                            scale, N, stride_sm, FORWARD, BLOCK_R)
-                    acc = tl.dot(st, lt, acc)
+            # the first tile's ranks above one step, then the block's other tiles (other adapters)
+            acc = _add_tile_lora(acc, s_ptr, lora_ptr, offs_m, offs_n, n_mask, rows, BLOCK_R, rank, r_offset, scale,
+                                 N, stride_sm, FORWARD, BLOCK_R)
+            for tile in tl.range(first_tile + 1, end_tile, num_stages=1):
+                rank, _, r_offset, scale, _, rows = _tile_of_block(tiles_ptr, adapters_i_ptr, adapters_f_ptr,
+                                                                   seeds_ptr, tile, offs_m, N_INT_COLS, N_FLOAT_COLS)
+                acc = _add_tile_lora(acc, s_ptr, lora_ptr, offs_m, offs_n, n_mask, rows, 0, rank, r_offset, scale,
+                                     N, stride_sm, FORWARD, BLOCK_R)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _lora_add_kernel(
-    s_ptr, lora_ptr, out_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,  # as above
+    s_ptr, lora_ptr, out_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr,
+    seeds_ptr,  # as above
+    M,
     N,
-    n_tiles,
+    n_blocks,
     n_groups,
     stride_sm,
     stride_om,
@@ -127,75 +142,102 @@ def _lora_add_kernel(
     BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """The in-place path: out (the cuBLAS base product) += the tile's LoRA term."""
-    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, tl.cdiv(N, BLOCK_N), GROUP_M, BLOCK_N)
-    acc, offs_m, offs_n, m_mask, n_mask, _, rank = _lora_term(
-        s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, n_groups,
-        stride_sm, FORWARD, OUT_DROPOUT, SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
-    if rank > 0:  # a tile without LoRA has its result in `out` already
+    """The in-place path: out (the cuBLAS base product) += the row block's LoRA terms."""
+    block, n0 = _grouped_tile(tl.program_id(0), n_blocks, tl.cdiv(N, BLOCK_N), GROUP_M, BLOCK_N)
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    first_tile = tl.load(block_tiles_ptr + block).to(tl.int32)
+    end_tile = tl.load(block_tiles_ptr + block + 1).to(tl.int32)
+    acc, block_rank = _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,
+                                 first_tile, end_tile, offs_m, n0, N, n_groups, stride_sm, FORWARD, OUT_DROPOUT,
+                                 SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
+    if block_rank > 0:  # a block without LoRA has its result in `out` already
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        out_mask = m_mask[:, None] & n_mask[None, :]
+        out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _grouped_tile(t, n_tiles, num_pid_n, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(tile, first column) of the t-th (tile, n block) pair in grouped ordering, so that
-    neighbouring programs share W blocks in L2."""
+def _grouped_tile(t, n_blocks, num_pid_n, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(row block, first column) of the t-th (row block, n block) pair in grouped ordering, so
+    that neighbouring programs share W blocks in L2."""
     num_pid_in_group = GROUP_M * num_pid_n
-    first_tile = (t // num_pid_in_group) * GROUP_M
-    group_size = min(n_tiles - first_tile, GROUP_M)
-    tile = first_tile + ((t % num_pid_in_group) % group_size)
-    return tile, ((t % num_pid_in_group) // group_size) * BLOCK_N
+    first_block = (t // num_pid_in_group) * GROUP_M
+    group_size = min(n_blocks - first_block, GROUP_M)
+    block = first_block + ((t % num_pid_in_group) % group_size)
+    return block, ((t % num_pid_in_group) // group_size) * BLOCK_N
 
 
 @triton.jit
-def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N,
-               n_groups, stride_sm, FORWARD: tl.constexpr, OUT_DROPOUT: tl.constexpr, SPREAD_MASK: tl.constexpr,
-               N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_R: tl.constexpr):
-    """A tile's LoRA term in fp32: S_tile @ L_i[:, n block] over its adapter's own rank, times
-    scale_i (forward) or masked by the adapter's dropout (backward); zeros for an adapter
-    without LoRA. Also returns the tile's row/column offsets and masks, first row and rank."""
-    row_start, rank, threshold, r_offset, scale, inv_keep, offs_m, offs_n, m_mask, n_mask = _tile_setup(
-        tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N)
+def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, first_tile, end_tile,
+               offs_m, n0, N, n_groups, stride_sm, FORWARD: tl.constexpr, OUT_DROPOUT: tl.constexpr,
+               SPREAD_MASK: tl.constexpr, N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A row block's LoRA term in fp32, tile by tile: each tile's rows of S times its own
+    adapter's L_i[:, n block] over that adapter's rank, then each row times its adapter's
+    scale_i (forward) or masked by its adapter's dropout (backward); zeros in rows of
+    adapters without LoRA. Also returns the largest rank among the block's tiles."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    if OUT_DROPOUT:  # the mask is loaded before the accumulator is live: less register pressure
+        dropped = tl.zeros((BLOCK_M,), dtype=tl.int1)  # rows whose adapter has p > 0
+        for tile in tl.range(first_tile, end_tile, num_stages=1):
+            _, threshold, _, _, _, rows = _tile_of_block(tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile,
+                                                         offs_m, N_INT_COLS, N_FLOAT_COLS)
+            dropped = dropped | (rows & (threshold > 0))
+        # the forward stored no mask for rows without dropout: they keep every column
+        keep = load_keep_mask(mask_ptr, offs_m.to(tl.int64), dropped, n0, n_groups, BLOCK_N, SPREAD_MASK)
+        keep = keep | (dropped == 0)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if rank > 0:
-        if OUT_DROPOUT:  # loaded before the accumulator is live: less register pressure
-            keep = tl.full((BLOCK_M, BLOCK_N), 1, tl.int1)
-            if threshold > 0:
-                keep = load_keep_mask(mask_ptr, offs_m.to(tl.int64), m_mask, n0, n_groups, BLOCK_N, SPREAD_MASK)
-        for r0 in tl.range(0, rank, BLOCK_R, num_stages=1):  # a few steps: not worth pipeline buffers
-            # the scale multiplies the fp32 term below, not S's rounded tile
-            st, lt = _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_offset, scale, N,
-                                    stride_sm, False, BLOCK_R)
-            acc = tl.dot(st, lt, acc)
+    row_factor = tl.zeros((BLOCK_M,), dtype=tl.float32)  # each row's scale_i (forward) or 1 / (1 - p_i)
+    block_rank = tl.full((), 0, tl.int32)
+    for tile in tl.range(first_tile, end_tile, num_stages=1):
+        rank, _, r_offset, scale, inv_keep, rows = _tile_of_block(tiles_ptr, adapters_i_ptr, adapters_f_ptr,
+                                                                  seeds_ptr, tile, offs_m, N_INT_COLS, N_FLOAT_COLS)
+        # the scale multiplies the fp32 term below, not S's rounded tile
+        acc = _add_tile_lora(acc, s_ptr, lora_ptr, offs_m, offs_n, n_mask, rows, 0, rank, r_offset, scale, N,
+                             stride_sm, False, BLOCK_R)
         if FORWARD:
-            acc = acc * scale
-        if OUT_DROPOUT:
-            acc = tl.where(keep, acc * inv_keep, 0.0)
-    return acc, offs_m, offs_n, m_mask, n_mask, row_start, rank
+            row_factor = tl.where(rows, scale, row_factor)
+        else:
+            row_factor = tl.where(rows, inv_keep, row_factor)
+        block_rank = tl.maximum(block_rank, rank)
+    acc = acc * row_factor[:, None]
+    if OUT_DROPOUT:
+        acc = tl.where(keep, acc, 0.0)
+    return acc, block_rank
 
 
 @triton.jit
-def _tile_setup(tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, n0, N, N_INT_COLS: tl.constexpr,
-                N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A tile's first row and its adapter's rank, dropout threshold, row offset in the packed
-    adapters, scale and 1 / (1 - p); the tile's row and column offsets and their masks."""
+def _tile_of_block(tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, tile, offs_m, N_INT_COLS: tl.constexpr,
+                   N_FLOAT_COLS: tl.constexpr):
+    """One tile of a row block whose rows are `offs_m`: its adapter's rank, dropout threshold,
+    row offset in the packed adapters, scale and 1 / (1 - p), and which of the rows are the tile's."""
     adapter, row_start, row_end = load_row_block(tiles_ptr, tile)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
-    offs_m = row_start + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    return row_start, rank, threshold, r_offset, scale, inv_keep, offs_m, offs_n, offs_m < row_end, offs_n < N
+    return rank, threshold, r_offset, scale, inv_keep, (offs_m >= row_start) & (offs_m < row_end)
+
+
+@triton.jit
+def _add_tile_lora(acc, s_ptr, lora_ptr, offs_m, offs_n, n_mask, rows, r_first, rank, r_offset, scale, N, stride_sm,
+                   SCALE_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """acc + one tile's LoRA term from rank step `r_first` on: S's `rows` (scaled by scale_i if
+    SCALE_S) times L_i, one rank step at a time."""
+    for r0 in tl.range(r_first, rank, BLOCK_R, num_stages=1):  # a few steps: not worth pipeline buffers
+        st, lt = _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, rows, n_mask, r0, rank, r_offset, scale, N,
+                                stride_sm, SCALE_S, BLOCK_R)
+        acc = tl.dot(st, lt, acc)
+    return acc
 
 
 @triton.jit
 def _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_offset, scale, N, stride_sm,
                    SCALE_S: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Rank step r0 of a tile's LoRA term as two MMA operands: S_tile[:, r0:r0 + BLOCK_R] (times
-    scale_i if SCALE_S, rounded to S's dtype) and L_i's rows r0.. for the tile's columns."""
+    """Rank step r0 of a tile's LoRA term as two MMA operands: S[offs_m, r0:r0 + BLOCK_R] in the
+    tile's rows (`m_mask`), zeros elsewhere (times scale_i if SCALE_S, rounded to S's dtype),
+    and L_i's rows r0.. for the columns `offs_n`."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     st = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :],
@@ -243,7 +285,7 @@ def lora_gemm(
     M, K = a.shape
     N = out.shape[1]
     block_n = cfg.gemm_block_n if fused_base else cfg.add_block_n
-    n_pairs = meta.n_tiles * cdiv(N, block_n)  # (tile, n block) pairs
+    n_pairs = meta.n_blocks * cdiv(N, block_n)  # (row block, n block) pairs
     if n_pairs == 0 or (not fused_base and meta.max_rank == 0):  # in place, no LoRA term: nothing to add
         return out
     out_dropout = (not forward) and meta.has_dropout
@@ -254,7 +296,7 @@ def lora_gemm(
                   BLOCK_N=block_n, BLOCK_R=meta.block_r_expand, GROUP_M=cfg.group_m)
     mask = mask_nibbles if out_dropout else out
     if not fused_base:
-        _lora_add_kernel[(n_pairs,)](s, lora_pack, out, mask, *meta.args(), N, meta.n_tiles, cdiv(N, 4),
+        _lora_add_kernel[(n_pairs,)](s, lora_pack, out, mask, *meta.block_args(), M, N, meta.n_blocks, cdiv(N, 4),
                                      s.stride(0), out.stride(0), num_warps=cfg.add_warps, **common)
         return out
     if not tma_ready(a, w):
@@ -264,7 +306,8 @@ def lora_gemm(
         w, [cfg.gemm_block_n, cfg.gemm_block_k] if forward else [cfg.gemm_block_k, cfg.gemm_block_n])
     grid, warp_specialize = _schedule(forward, N, n_pairs, a.device)
     _lora_gemm_kernel[(grid,)](a_desc, w_desc, bias if bias is not None else out, s, lora_pack, out, mask,
-                               *meta.args(), N, K, meta.n_tiles, cdiv(N, 4), grid, s.stride(0), out.stride(0),
+                               *meta.block_args(), M, N, K, meta.n_blocks, cdiv(N, 4), grid, s.stride(0),
+                               out.stride(0),
                                HAS_BIAS=bias is not None, BLOCK_K=cfg.gemm_block_k, K_STAGES=cfg.gemm_stages,
                                WARP_SPECIALIZE=warp_specialize, LORA_LAST=cfg.lora_term_last and not out_dropout,
                                num_warps=cfg.gemm_warps, **common)

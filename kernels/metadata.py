@@ -4,11 +4,15 @@ The adapters themselves travel packed (`pack.pack_adapters`): adapter i's rows s
 at `r_offset` in one [R_total, in] A and one [R_total, out] B^T, so the kernels read them
 with plain, aligned, vectorisable loads; the table holds offsets, never pointers.
 
-Tiles never span two adapters (LoRAFusion's tile-level routing): each adapter's segment is
-cut into tiles of `block_m` rows starting at its own first row, the last tile of a segment
-is partial, and every kernel reads from the tile table which adapter, rows, rank, scale,
-dropout threshold and seed a tile belongs to. Reductions over rows (dA, dB) use a second
-table of longer chunks, each inside one adapter.
+Tiles never span two adapters (LoRAFusion's tile-level routing): the packed rows are cut
+at every adapter's first row and at every multiple of `block_m`, so a tile holds at most
+`block_m` rows of one adapter, and every kernel reads from the tile table which adapter,
+rows, rank, scale, dropout threshold and seed a tile belongs to. The base GEMM is blind to
+adapters and works on row blocks, the `block_m` rows from each multiple of it: a row block
+is a run of consecutive tiles (`block_tiles`), and its LoRA term is added tile by tile,
+each with its own adapter. So no segment is padded to the tile height: 32 adapters of 64
+rows run the GEMM on as many row blocks as one adapter of 2048 rows. Reductions over rows
+(dA, dB) use a second table of longer chunks, each inside one adapter.
 
 Nothing here imports Triton: the CPU reference path never needs it.
 """
@@ -29,14 +33,14 @@ from .dropout import check_dropout_p, keep_threshold, normalize_seed
 # Columns of the per-adapter tables, in the order `_triton_common.load_adapter` reads them.
 ADAPTER_INT_COLS = ("rank", "seg_start", "keep_threshold", "r_offset", "chunk_first", "chunk_count")
 ADAPTER_FLOAT_COLS = ("scale", "inv_keep")
-TILE_COLS = ("adapter", "row_start", "row_end")
+TILE_COLS = ("adapter", "row_start", "row_end")  # the tile and chunk tables
 
 
 @dataclass(frozen=True)
 class KernelConfig:
     """Block sizes and path choices of one call; from `config_for` (cached per largest rank)."""
 
-    block_m: int = 128  # rows per tile, all kernels; a segment pads to a multiple of it
+    block_m: int = 128  # rows per tile at most and per row block of the base GEMM, all kernels
     # shrinks and row reductions: each adapter's programs take the smallest rank block that holds
     # its rank (`fit_rank_block`), not the pack's largest
     fit_rank_block: bool = True
@@ -188,23 +192,13 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-FUSED_BLOCK_M = 128  # tile height of the fused base GEMM: 64-row tiles were slower in a probe (KERNELS_NOTES v8)
-
-
-def fuse_base_for(seg_lens: Sequence[int]) -> bool:
-    """Whether a segment layout runs the base GEMM fused with the LoRA term (`config_for`):
-    tiles never span two adapters, so each segment's last tile is padded to FUSED_BLOCK_M
-    rows of GEMM work. Fused only while that padding adds at most 5% of the rows; packs of
-    short segments (32 adapters of 64 rows) run cuBLAS plus the in-place LoRA add instead."""
-    rows = sum(int(s) for s in seg_lens)
-    padded = sum(cdiv(int(s), FUSED_BLOCK_M) * FUSED_BLOCK_M for s in seg_lens)
-    return padded <= 1.05 * rows
+FUSED_BLOCK_M = 128  # row block of the fused base GEMM: 64-row tiles were slower in a probe (KERNELS_NOTES v8)
 
 
 @functools.lru_cache(maxsize=64)
 def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelConfig:
     """Block sizes for a call whose largest adapter rank is `max_rank`, with the base GEMM
-    fused (`fuse_base`, see `fuse_base_for`) or not: measured defaults (see
+    fused with the LoRA term (`fuse_base`) or run by cuBLAS: measured defaults (see
     benchmarks/KERNELS_NOTES.md); the interpreter gets small blocks (`INTERPRET_CONFIG`)."""
     if not on_cuda:
         return INTERPRET_CONFIG if fuse_base else dataclasses.replace(INTERPRET_CONFIG, fused_base=False)
@@ -230,8 +224,8 @@ def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelCo
         # the registers per thread of the 64-row, 4-warp config.
         return KernelConfig(block_m=FUSED_BLOCK_M, gemm_block_n=256, gemm_block_k=64, gemm_warps=8, gemm_stages=3,
                             fused_base=True, add_block_n=128, add_warps=8, **shared)
-    # cuBLAS base GEMMs plus the LoRA term added in place, 64-row tiles: less padding per
-    # segment, and the in-place adds ran 5-15% faster than with 128-row tiles (v5).
+    # cuBLAS base GEMMs plus the LoRA term added in place: its adds ran 5-15% faster on 64-row
+    # tiles than on 128-row ones (v5).
     return KernelConfig(block_m=64, fused_base=False, add_block_n=128, add_warps=4, **shared)
 
 
@@ -254,10 +248,12 @@ class LoRABatchMeta:
     that shape in a microbatch; each layer brings its own dropout seeds."""
 
     tiles: torch.Tensor  # int64 [n_tiles, 3]: adapter, row_start, row_end (global rows)
+    block_tiles: torch.Tensor  # int64 [n_blocks + 1]: row block b holds tiles block_tiles[b] .. block_tiles[b + 1]
     chunks: torch.Tensor  # int64 [n_chunks, 3]: same, chunks of up to chunk_rows, LoRA adapters only
     adapters_i: torch.Tensor  # int64 [n_adapters, len(ADAPTER_INT_COLS)]
     adapters_f: torch.Tensor  # fp32 [n_adapters, len(ADAPTER_FLOAT_COLS)]
     n_tiles: int
+    n_blocks: int  # row blocks of the base GEMM: ceil(tokens / block_m)
     n_chunks: int
     chunk_rows: int  # rows per chunk at most (`reduce_chunk_rows`)
     max_chunks_per_adapter: int
@@ -276,6 +272,10 @@ class LoRABatchMeta:
     def args(self) -> tuple:
         """Tile-routed kernels' table arguments, in kernel order."""
         return (self.tiles, self.adapters_i, self.adapters_f, self.seeds)
+
+    def block_args(self) -> tuple:
+        """The base GEMM's table arguments (row blocks, then their tiles), in kernel order."""
+        return (self.block_tiles, self.tiles, self.adapters_i, self.adapters_f, self.seeds)
 
     def chunk_args(self) -> tuple:
         """Row-reduction kernels' table arguments, in kernel order."""
@@ -328,7 +328,8 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
         db_programs = math.prod(reduce_grid(config, out_features, max_rank, block_r, out_is_b=True))
     has_lora = tuple(r > 0 for r in ranks)
     chunk_rows = reduce_chunk_rows(seg_lens, has_lora, max(da_programs, db_programs), config, sm_count(device))
-    tiles, chunks, chunk_first, chunk_count = _routing_tables(seg_lens, has_lora, bm, chunk_rows, device)
+    tiles, block_tiles, chunks, chunk_first, chunk_count = _routing_tables(seg_lens, has_lora, bm, chunk_rows,
+                                                                          device)
     shrink_m, shrink_k = shrink_blocks(tiles.shape[0], cdiv(max_rank, block_r), block_r, config, sm_count(device),
                                        shrink_stage_bytes(device))
 
@@ -344,10 +345,12 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
 
     return LoRABatchMeta(
         tiles=tiles,
+        block_tiles=block_tiles,
         chunks=chunks,
         adapters_i=_table(rows_i, len(ADAPTER_INT_COLS), torch.int64, device),
         adapters_f=_table(rows_f, len(ADAPTER_FLOAT_COLS), torch.float32, device),
         n_tiles=tiles.shape[0],
+        n_blocks=block_tiles.shape[0] - 1,
         n_chunks=chunks.shape[0],
         chunk_rows=chunk_rows,
         max_chunks_per_adapter=max(chunk_count, default=0),
@@ -377,16 +380,22 @@ def _table(rows, width, dtype, device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _routing_tables(seg_lens: tuple, has_lora: tuple, block_m: int, chunk_rows: int, device: torch.device):
-    """Tile and chunk tables of a segment layout. Every layer of a microbatch shares them, so
-    they are built and copied to the device once per layout (they hold no adapter pointers)."""
+    """Tile, row-block and chunk tables of a segment layout. Every layer of a microbatch
+    shares them, so they are built and copied to the device once per layout (they hold no
+    adapter pointers). Tiles are cut at adapters' first rows and at multiples of `block_m`,
+    so each lies in one row block, and the row blocks' tiles are runs of the tile table."""
     tiles, chunks, first, count = [], [], [], []
     start = 0
     for i, (rows, lora) in enumerate(zip(seg_lens, has_lora)):
-        tiles += [(i, r0, min(r0 + block_m, start + rows)) for r0 in range(start, start + rows, block_m)]
+        end = start + rows
+        cuts = [start, *range((start // block_m + 1) * block_m, end, block_m), end]
+        tiles += [(i, r0, r1) for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
         first.append(len(chunks))
         if lora:
-            chunks += [(i, r0, min(r0 + chunk_rows, start + rows)) for r0 in range(start, start + rows, chunk_rows)]
+            chunks += [(i, r0, min(r0 + chunk_rows, end)) for r0 in range(start, end, chunk_rows)]
         count.append(len(chunks) - first[-1])
-        start += rows
-    return (_table(tiles, len(TILE_COLS), torch.int64, device), _table(chunks, len(TILE_COLS), torch.int64, device),
-            tuple(first), tuple(count))
+        start = end
+    # the first tile of each row block, then the tile count: tiles come in row order
+    block_tiles = [t for t, (_, r0, _) in enumerate(tiles) if r0 % block_m == 0] + [len(tiles)]
+    return (_table(tiles, len(TILE_COLS), torch.int64, device), _table(block_tiles, 1, torch.int64, device).reshape(-1),
+            _table(chunks, len(TILE_COLS), torch.int64, device), tuple(first), tuple(count))

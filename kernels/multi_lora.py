@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .dropout import empty_mask_nibbles
-from .metadata import KernelConfig, LoRABatchMeta, config_for, fuse_base_for
+from .metadata import KernelConfig, LoRABatchMeta, config_for
 from .reference import Seeds, per_adapter_seeds
 
 
@@ -146,7 +146,7 @@ def triton_multi_lora_linear(
     max_rank = max((a.shape[0] for a in lora_a if a is not None), default=0)
     if config is None:
         # fused base GEMM for 16-bit inputs only on GPU: its fp32 dot would run in TF32, where torch's does not
-        fuse_base = fuse_base_for(seg_lens) and (not x.is_cuda or x.element_size() == 2)
+        fuse_base = not x.is_cuda or x.element_size() == 2
         config = config_for(max_rank, x.is_cuda, fuse_base)
     meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, scales, dropout_p, seeds,
                                weight.shape[1], weight.shape[0], x.device, config)

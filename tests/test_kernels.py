@@ -36,7 +36,6 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     INTERPRET_CONFIG,
     LoRABatchMeta,
     config_for,
-    fuse_base_for,
     reduce_chunk_rows,
     shrink_blocks,
 )
@@ -279,10 +278,25 @@ def test_reduction_chunks_shrink_until_every_sm_has_a_program():
     check_against_reference(case, CONFIGS["fused"])
 
 
-def test_base_is_fused_only_where_tiles_pad_little():
-    assert fuse_base_for([1024] * 4) and fuse_base_for([4096, 100]) and fuse_base_for([128, 0, 256])
-    assert not fuse_base_for([64] * 32)  # half of every 128-row tile would be padding
-    assert not fuse_base_for([1000, 1048])  # 6% padding
+def test_tiles_cut_at_adapters_and_row_blocks():
+    # tiles: one adapter's rows within one block_m-row block; row blocks: runs of tiles, no padding
+    def tables(seg_lens, block_m):
+        cfg = dataclasses.replace(INTERPRET_CONFIG, block_m=block_m, chunk_rows=4 * block_m)
+        a = [torch.zeros(4, 8) if rows else None for rows in seg_lens]
+        b = [torch.zeros(8, 4) if rows else None for rows in seg_lens]
+        n = len(seg_lens)
+        meta = LoRABatchMeta.build(seg_lens, a, b, [1.0] * n, [0.0] * n, [0] * n, 8, 8, torch.device("cpu"), cfg)
+        return meta.tiles.tolist(), meta.block_tiles.tolist(), meta.n_blocks
+
+    # 32 adapters of 64 rows: two tiles per 128-row block, 16 blocks (one adapter of 2048 rows makes as many)
+    tiles, blocks, n_blocks = tables([64] * 32, 128)
+    assert tiles == [[i, 64 * i, 64 * i + 64] for i in range(32)] and blocks == list(range(0, 33, 2))
+    assert n_blocks == 16 == tables([2048], 128)[2]
+    # an empty adapter makes no tile; a long one is cut at every multiple of the block
+    tiles, blocks, n_blocks = tables([100, 0, 300], 128)
+    assert tiles == [[0, 0, 100], [2, 100, 128], [2, 128, 256], [2, 256, 384], [2, 384, 400]]
+    assert blocks == [0, 2, 3, 4, 5] and n_blocks == 4
+    assert tables([0, 0], 128) == ([], [0], 0)
     assert config_for(16, False, True).fused_base and not config_for(16, False, False).fused_base
 
 

@@ -7,11 +7,12 @@ The LoRA term and the base GEMM share one fp32 accumulator, so the output is wri
 (LoRAFusion's fused expand): `_lora_gemm_kernel`. The GEMM works on row blocks of `block_m`
 rows, whichever adapters they hold, and adds the LoRA term tile by tile (`metadata`: a tile
 is one adapter's rows within a row block), each tile's rows of S times its own adapter's
-matrix. So segments are never padded to the block height, and a block holding several
-short segments costs one small MMA per segment more. An unmasked term (the forward's, and dX's
-when no adapter has dropout) is added after the K loop, its first operands loaded before it
-so that their loads overlap the loop (`KernelConfig.lora_term_last`; 1.3% less layer time,
-median, KERNELS_NOTES v16). dX's masked term (the nibbles the forward shrink stored) is
+matrix. So segments are never padded to the block height; a block holding several
+segments costs each further one its own LoRA steps, whose loads nothing hides (up to 10% of
+one GEMM at rank 128, KERNELS_NOTES v17). An unmasked term (the forward's, and dX's when no
+adapter has dropout) is added after the K loop, its first operands loaded before it so that
+their loads overlap the loop (`KernelConfig.lora_term_last`; 1.3% less layer time, median,
+KERNELS_NOTES v16). dX's masked term (the nibbles the forward shrink stored) is
 computed first, before the accumulator holds anything else: masking it later would take a
 second accumulator. Its base operands arrive through TMA descriptors (Hopper's bulk tensor
 copies, zero-filled past the edges): with them the GEMM runs within 3-5% of cuBLAS, where

@@ -423,14 +423,14 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     except Exception as e:  # a baseline this torch cannot run is recorded, not fatal
                         row[name] = None
                         row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
-                # the base path the default did not choose (TMA-fused GEMM or cuBLAS + in-place add)
-                row["fused_base"] = True  # 16-bit inputs on the GPU (`triton_multi_lora_linear`)
-                alt = meta_mod.config_for(max(ranks), not DRY, not row["fused_base"])
+                # the default base path is the TMA-fused GEMM for 16-bit inputs on the GPU
+                # (`triton_multi_lora_linear`); the other, cuBLAS + the in-place add, beside it
+                row["fused_base"] = True
+                alt = meta_mod.config_for(max(ranks), not DRY, False)
                 row["fused_alt"] = bench_fwd_bwd(lambda q: m_fused(q, alt), p)
-                default = meta_mod.config_for(max(ranks), not DRY, row["fused_base"])
-                if row["fused_base"]:  # fused Y, dX by cuBLAS + the in-place add
-                    y_only = dataclasses.replace(default, fuse_dx=False)
-                    row["fused_y_only"] = bench_fwd_bwd(lambda q: m_fused(q, y_only), p)
+                default = meta_mod.config_for(max(ranks), not DRY, True)
+                y_only = dataclasses.replace(default, fuse_dx=False)  # fused Y, dX by cuBLAS + the in-place add
+                row["fused_y_only"] = bench_fwd_bwd(lambda q: m_fused(q, y_only), p)
                 pd = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
                 row["fused_dropout"] = bench_fwd_bwd(m_fused, pd)
                 graphed = dict(base=(m_base, p), fused=(m_fused, p))
@@ -446,7 +446,7 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 if chunks_split(p, default):  # the reductions' chunks of config.chunk_rows rows, however few
                     whole_chunks = dataclasses.replace(default, chunks_fill_sms=False)
                     graphed["fused_whole_chunks"] = (lambda q: m_fused(q, whole_chunks), p)
-                if row["fused_base"] and default.lora_term_last:  # the LoRA term before the K loops (v15's)
+                if default.lora_term_last:  # the LoRA term before the K loops (v15's)
                     lora_first = dataclasses.replace(default, lora_term_last=False)
                     graphed["fused_lora_first"] = (lambda q: m_fused(q, lora_first), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
@@ -460,7 +460,7 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 del p, pd
                 rows.append(row)
                 print(f"main {in_f}->{out_f} tok={tokens} n={n} r={kind}: base {row['base']:.3f} fused {row['fused']:.3f} "
-                      f"({'tma' if row['fused_base'] else 'add'}; other path {row['fused_alt']:.3f}; "
+                      f"(cuBLAS + add {row['fused_alt']:.3f}; "
                       f"fused Y only {row.get('fused_y_only', 0):.3f}; "
                       f"p=.05 {row['fused_dropout']:.3f}) segref {row['segref']:.3f} peft {row['peft_loop'] or 0:.3f} "
                       f"grouped {row['grouped_mm'] or 0:.3f} ms; graphed: base {row['base_graphed'] or 0:.3f} "

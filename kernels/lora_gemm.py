@@ -81,11 +81,8 @@ def _lora_gemm_kernel(
     for t in tl.range(tl.program_id(0), n_blocks * num_pid_n, n_programs):
         block, n0 = _grouped_tile(t, n_blocks, num_pid_n, GROUP_M, BLOCK_N)
         row_start = block * BLOCK_M
-        offs_m = row_start + tl.arange(0, BLOCK_M)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_m, offs_n, first_tile, end_tile = _row_block(block_tiles_ptr, block, n0, BLOCK_M, BLOCK_N)
         n_mask = offs_n < N
-        first_tile = tl.load(block_tiles_ptr + block).to(tl.int32)
-        end_tile = tl.load(block_tiles_ptr + block + 1).to(tl.int32)
         if LORA_LAST:
             # The first tile's first rank step of S and L is loaded here and used after the K
             # loop, so its loads overlap the loop instead of holding back its first TMA loads.
@@ -145,10 +142,7 @@ def _lora_add_kernel(
 ):
     """The in-place path: out (the cuBLAS base product) += the row block's LoRA terms."""
     block, n0 = _grouped_tile(tl.program_id(0), n_blocks, tl.cdiv(N, BLOCK_N), GROUP_M, BLOCK_N)
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    first_tile = tl.load(block_tiles_ptr + block).to(tl.int32)
-    end_tile = tl.load(block_tiles_ptr + block + 1).to(tl.int32)
+    offs_m, offs_n, first_tile, end_tile = _row_block(block_tiles_ptr, block, n0, BLOCK_M, BLOCK_N)
     acc, block_rank = _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,
                                  first_tile, end_tile, offs_m, n0, N, n_groups, stride_sm, FORWARD, OUT_DROPOUT,
                                  SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
@@ -168,6 +162,16 @@ def _grouped_tile(t, n_blocks, num_pid_n, GROUP_M: tl.constexpr, BLOCK_N: tl.con
     group_size = min(n_blocks - first_block, GROUP_M)
     block = first_block + ((t % num_pid_in_group) % group_size)
     return block, ((t % num_pid_in_group) // group_size) * BLOCK_N
+
+
+@triton.jit
+def _row_block(block_tiles_ptr, block, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A row block's row and column offsets (columns from n0) and the range of its tiles."""
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    first_tile = tl.load(block_tiles_ptr + block).to(tl.int32)
+    end_tile = tl.load(block_tiles_ptr + block + 1).to(tl.int32)
+    return offs_m, offs_n, first_tile, end_tile
 
 
 @triton.jit

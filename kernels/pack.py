@@ -13,15 +13,21 @@ across the whole GPU, at the cost of one more fp32 round trip. GPU time on an H1
 (KERNELS_NOTES v11): 0.004 against 0.008 ms for 4 adapters of rank 16 at 4096 wide; for 32
 of mixed ranks the multi-tensor copy wins, 0.021 against 0.033 ms.
 
-B^T needs a transpose. torch's transposing copy reads along one axis and writes along the
-other, at about a quarter of the copy rate, so `_transpose_cast_kernel` moves square tiles
-through registers instead, reading and writing whole rows. Side by side on an H100, packing
-32 adapters of mixed ranks for 3584 -> 18944 took 0.20 ms against torch's 0.45 ms
-(`benchmarks/kernels.py --sections blocks`, KERNELS_NOTES v10).
+B^T needs a transpose, and its B_i lie in tensors of their own. `_pack_bt_kernel` reads
+each B_i where it lies, through a table of their addresses, and moves square tiles through
+registers, reading and writing whole rows. torch's transposing copy reads along one axis
+and writes along the other at about a quarter of the copy rate (KERNELS_NOTES v10); a cat
+of the B_i before a transpose copies every B_i once more in fp32. On an H200, 32 adapters of
+mixed ranks for 3584 -> 18944 packed in 0.074 ms, against 0.167 ms with the cat and 0.367
+ms with torch's cat and transposing copy (`benchmarks/kernels.py --sections blocks`,
+KERNELS_NOTES v18). The address table is cached by the addresses: an adapter's tensors
+keep their storage while its optimizer updates them in place, and a table holds no values,
+so a hit is right whatever now lies at those addresses.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -34,31 +40,49 @@ CAT_CAST_MAX_ELEMENTS = 2 ** 21  # A's elements up to which a cat and a cast pac
 
 
 @triton.jit
-def _transpose_cast_kernel(
-    src_ptr,  # [M, N], rows contiguous
-    dst_ptr,  # [N, M], rows contiguous, in the destination dtype
-    M,
-    N,
-    stride_src,
-    stride_dst,
-    BLOCK: tl.constexpr,
+def _pack_bt_kernel(
+    table_ptr,  # int64 [n_adapters, 3]: B_i's address, r_i, r_offset_i
+    b_like_ptr,  # the B_i's dtype (any one of them)
+    dst_ptr,  # [R_total, N] in the compute dtype: B^T, adapter i from row r_offset_i
+    N,  # rows of every B_i (the layer's out features)
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tile = tl.load(src_ptr + offs_m[:, None].to(tl.int64) * stride_src + offs_n[None, :], mask=mask)
-    dst = dst_ptr + offs_n[:, None].to(tl.int64) * stride_dst + offs_m[None, :]
+    """dst[r_offset_i + r, n] = B_i[n, r] for one adapter's tile of BLOCK_N rows and BLOCK_R ranks."""
+    adapter = tl.program_id(1)
+    rank = tl.load(table_ptr + adapter * 3 + 1)
+    r0 = tl.program_id(2) * BLOCK_R
+    if r0 >= rank:  # a rank block past this adapter's rank
+        return
+    src_ptr = tl.load(table_ptr + adapter * 3).to(tl.pointer_type(b_like_ptr.dtype.element_ty))
+    r_offset = tl.load(table_ptr + adapter * 3 + 2)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    mask = (offs_n < N)[:, None] & (offs_r < rank)[None, :]
+    tile = tl.load(src_ptr + offs_n[:, None].to(tl.int64) * rank + offs_r[None, :], mask=mask)
+    dst = dst_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :]
     tl.store(dst, tl.trans(tile).to(dst_ptr.dtype.element_ty), mask=tl.trans(mask))
 
 
-def transpose_cast(src: torch.Tensor, dtype: torch.dtype, block: int = 64) -> torch.Tensor:
-    """src.t() in `dtype`, contiguous ([N, M] from a row-contiguous [M, N])."""
-    assert src.dim() == 2 and src.stride(1) == 1
-    M, N = src.shape
-    dst = src.new_empty(N, M, dtype=dtype)
-    if src.numel():
-        _transpose_cast_kernel[(cdiv(M, block), cdiv(N, block))](src, dst, M, N, src.stride(0), dst.stride(0),
-                                                               BLOCK=block)
+@functools.lru_cache(maxsize=4096)
+def _address_table(rows: tuple, device: torch.device) -> torch.Tensor:
+    """(address, rank, r_offset) of each B_i, on the device (module docstring: why cached)."""
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def pack_bt(lora_b: Sequence[torch.Tensor], dtype: torch.dtype, block: int = 64) -> torch.Tensor:
+    """B^T [R_total, out] in `dtype`, B_i^T from row r_offset_i, in one kernel. A B_i that is
+    not contiguous is copied first; its copy's address then misses the table cache, which
+    costs a host-to-device copy per call (one a CUDA graph cannot capture)."""
+    lora_b = [b.contiguous() for b in lora_b]
+    ranks = [b.shape[1] for b in lora_b]
+    n = lora_b[0].shape[0]
+    dst = lora_b[0].new_empty(sum(ranks), n, dtype=dtype)
+    offsets = [sum(ranks[:i]) for i in range(len(ranks))]
+    table = _address_table(tuple((b.data_ptr(), r, o) for b, r, o in zip(lora_b, ranks, offsets)),
+                           lora_b[0].device)
+    _pack_bt_kernel[(cdiv(n, block), len(lora_b), cdiv(max(ranks), block))](table, lora_b[0], dst, n,
+                                                                          BLOCK_N=block, BLOCK_R=block)
     return dst
 
 
@@ -73,9 +97,7 @@ def pack_adapters(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]
     else:
         a_pack = lora_a[0].new_empty(sum(ranks), lora_a[0].shape[1], dtype=dtype)
         torch._foreach_copy_(a_pack.split(ranks), list(lora_a))
-    b_side_by_side = lora_b[0] if len(lora_b) == 1 else torch.cat(list(lora_b), dim=1)  # [out, R_total]
-    bt_pack = transpose_cast(b_side_by_side.contiguous(), dtype)
-    return a_pack, bt_pack
+    return a_pack, pack_bt(lora_b, dtype)
 
 
 def reference_pack_adapters(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], dtype: torch.dtype):

@@ -37,6 +37,7 @@ a short table is printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -151,6 +152,39 @@ def params_of(p):
 def m_fused(p, config=None):
     return triton_multi_lora_linear(p["x"], p["weight"], p["bias"], p["lora_a"], p["lora_b"], p["scales"],
                                     p["dropout_p"], p["seg_lens"], p["seed"], config=config)
+
+
+_CAT_BUFFERS = {}  # (rows, columns, device) -> the B_i side by side, one buffer per shape
+
+
+@contextlib.contextmanager
+def b_packed_by_cat():
+    """B^T packed as until v18: the B_i copied side by side by torch.cat, then transposed by the
+    same tiled kernel, which then reads one tensor (`pack.pack_bt`). The cat writes into one
+    buffer per shape, so that its address, and the address table cached by it, stay the
+    same in a CUDA graph as in the calls before its capture (as until v18, no table copy)."""
+    from lora_sweep.kernels import pack as pack_module
+
+    own = pack_module.pack_bt
+
+    def by_cat(lora_b, dtype):
+        if len(lora_b) == 1:
+            return own(lora_b, dtype)
+        key = (lora_b[0].shape[0], sum(b.shape[1] for b in lora_b), lora_b[0].device)
+        if key not in _CAT_BUFFERS:
+            _CAT_BUFFERS[key] = lora_b[0].new_empty(key[:2])
+        return own([torch.cat(list(lora_b), 1, out=_CAT_BUFFERS[key])], dtype)
+
+    pack_module.pack_bt = by_cat
+    try:
+        yield
+    finally:
+        pack_module.pack_bt = own
+
+
+def m_fused_pack_by_cat(p):
+    with b_packed_by_cat():
+        return m_fused(p)
 
 
 def m_base(p):
@@ -453,6 +487,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 # the backward's keep-mask joined from its four bits, as before `spread_mask` (v14)
                 joined = dataclasses.replace(default, spread_mask=False)
                 graphed["fused_dropout_joined_mask"] = (lambda q: m_fused(q, joined), pd)
+                # B^T packed from a cat of the B_i, as before `pack.pack_bt` read them where they lie (v18)
+                graphed["fused_pack_by_cat"] = (m_fused_pack_by_cat, p)
                 # GPU time alone, host time aside, the methods in turn
                 ms, errors = interleaved_fwd_bwd_ms(graphed)
                 row.update({k + "_graphed": v for k, v in ms.items()})
@@ -471,7 +507,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_lora_first_graphed') or 0:.3f}; in place "
                       f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
-                      f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}) ms", flush=True)
+                      f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; B^T packed from a cat "
+                      f"{row.get('fused_pack_by_cat_graphed') or 0:.3f}) ms", flush=True)
 
 
 RAGGED_PACKS = [(16, "16"), (32, "mixed")]
@@ -936,6 +973,9 @@ def section_blocks(res, device):
         for name, fn in (("pack", pack_adapters), ("pack_reference", reference_pack_adapters)):
             ms = gpu_ms(lambda: fn(p["lora_a"], p["lora_b"], x.dtype))
             row[name] = dict(ms=ms, GBps=adapter_bytes / ms / 1e6)
+        with b_packed_by_cat():  # B^T from a cat of the B_i, as until v18
+            ms = gpu_ms(lambda: pack_adapters(p["lora_a"], p["lora_b"], x.dtype))
+        row["pack_by_cat"] = dict(ms=ms, GBps=adapter_bytes / ms / 1e6)
         a_bytes = 6 * sum(ranks) * in_f
         for name, fn in (("packA_foreach", lambda: torch._foreach_copy_(a_pack.split(ranks), p["lora_a"])),
                          ("packA_cat_cast", lambda: torch.cat(p["lora_a"]).to(x.dtype))):
@@ -1104,7 +1144,9 @@ def summarize(res):
                 # the TMA GEMMs with the LoRA term fused, against cuBLAS plus the in-place add
                 ("graphed_fused_over_in_place", "fused", "fused_in_place", False),
                 # with dropout, the backward's keep-mask spread, against joined
-                ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False)):
+                ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False),
+                # B^T packed from the B_i where they lie, against from a cat of them
+                ("graphed_pack_by_address_over_by_cat", "fused", "fused_pack_by_cat", False)):
             ratios = [r[num + "_graphed"] / r[den + "_graphed"] for r in big
                       if r.get(num + "_graphed") and r.get(den + "_graphed")]
             if ratios:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lora_sweep as ls
-from lora_sweep.engine import Failed, Finished, PackedJob
+from lora_sweep.engine import Finished, PackedJob
 
 from test_engine_equivalence import make_spec
 

@@ -347,8 +347,8 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
         tiles=tiles,
         block_tiles=block_tiles,
         chunks=chunks,
-        adapters_i=_table(rows_i, len(ADAPTER_INT_COLS), torch.int64, device),
-        adapters_f=_table(rows_f, len(ADAPTER_FLOAT_COLS), torch.float32, device),
+        adapters_i=device_table(rows_i, len(ADAPTER_INT_COLS), torch.int64, device),
+        adapters_f=device_table(rows_f, len(ADAPTER_FLOAT_COLS), torch.float32, device),
         n_tiles=tiles.shape[0],
         n_blocks=block_tiles.shape[0] - 1,
         n_chunks=chunks.shape[0],
@@ -371,10 +371,11 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
 def _seed_table(seeds: tuple, device: torch.device) -> torch.Tensor:
     """Seeds given as ints, on the device: cached, as a copy per call would cost more host
     time than a small kernel (the engine passes a device tensor instead)."""
-    return _table(seeds, 1, torch.int64, device).reshape(-1)
+    return device_table(seeds, 1, torch.int64, device).reshape(-1)
 
 
-def _table(rows, width, dtype, device) -> torch.Tensor:
+def device_table(rows, width, dtype, device) -> torch.Tensor:
+    """A host table (rows of `width` values) as a [len(rows), width] tensor on `device`."""
     return torch.tensor(rows, dtype=dtype).reshape(-1, width).to(device, non_blocking=True)
 
 
@@ -397,5 +398,6 @@ def _routing_tables(seg_lens: tuple, has_lora: tuple, block_m: int, chunk_rows: 
         start = end
     # the first tile of each row block, then the tile count: tiles come in row order
     block_tiles = [t for t, (_, r0, _) in enumerate(tiles) if r0 % block_m == 0] + [len(tiles)]
-    return (_table(tiles, len(TILE_COLS), torch.int64, device), _table(block_tiles, 1, torch.int64, device).reshape(-1),
-            _table(chunks, len(TILE_COLS), torch.int64, device), tuple(first), tuple(count))
+    return (device_table(tiles, len(TILE_COLS), torch.int64, device),
+            device_table(block_tiles, 1, torch.int64, device).reshape(-1),
+            device_table(chunks, len(TILE_COLS), torch.int64, device), tuple(first), tuple(count))

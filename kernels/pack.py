@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .metadata import cdiv
+from .metadata import cdiv, device_table
 
 CAT_CAST_MAX_ELEMENTS = 2 ** 21  # A's elements up to which a cat and a cast pack it (module docstring)
 
@@ -67,7 +67,7 @@ def _pack_bt_kernel(
 @functools.lru_cache(maxsize=4096)
 def _address_table(rows: tuple, device: torch.device) -> torch.Tensor:
     """(address, rank, r_offset) of each B_i, on the device (module docstring: why cached)."""
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    return device_table(rows, 3, torch.int64, device)
 
 
 def pack_bt(lora_b: Sequence[torch.Tensor], dtype: torch.dtype, block: int = 64) -> torch.Tensor:

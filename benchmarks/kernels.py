@@ -908,7 +908,7 @@ def section_host(res, device):
 
 SHRINK_VARIANTS = [(64, 64), (32, 128), (16, 256), (16, 128), (16, 64)]  # (rows per program, K step)
 REDUCE_VARIANTS = [(128, 4, 64, None), (64, 4, 64, None), (128, 8, 64, None), (256, 8, 64, None), (128, 8, 32, None),
-                   (128, 4, 64, 32), (128, 4, 64, 64)]  # (column block, warps, rows per step, rank block or the pack's)
+                   (128, 4, 32, None), (64, 4, 32, None), (128, 4, 64, 32), (128, 4, 64, 64)]  # (column block, warps, rows per step, rank block or the pack's)
 ONE_PASS_VARIANTS = [(256, 8), (128, 4), (128, 8), (64, 4)]  # (columns of dY per program, warps)
 CHUNK_VARIANTS = [1024, 512, 256, 128]  # rows per chunk of the reductions
 BLOCK_PACKS = [(4096, 4096, 2048, 1, "16"), (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"),
@@ -931,8 +931,10 @@ def section_blocks(res, device):
     two-pass backward (the dS shrink and the dB reduction, chosen blocks) beside the one pass
     over dY (`ds_db.py`; variants: columns per program, warps). The packing beside torch's
     (`pack_reference`), and A's packing alone two ways, GB/s of each element read once and
-    written once. Beside the chosen blocks: the forward shrink without dropout (what drawing
-    the mask costs, `shrink_S_no_dropout`), dA reading its keep-mask spread and joined
+    written once. The forward shrink's and dA's variants run with dropout and again without
+    (`*_no_dropout`): the mask's draw and unpack change which blocks are fastest. Beside the
+    chosen blocks: the forward shrink without dropout (what drawing the mask costs,
+    `shrink_S_no_dropout`), dA reading its keep-mask spread and joined
     (`reduce_dA_*_mask`, `KernelConfig.spread_mask`), and, in packs of mixed rank blocks,
     every program on the pack's largest rank block (`*_one_rank_block`, `KernelConfig.fit_rank_block` off)."""
     from lora_sweep.kernels.dropout import empty_mask_nibbles
@@ -991,6 +993,10 @@ def section_blocks(res, device):
                 o = torch.empty_like(s)
                 ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, **kw))
                 row[f"shrink_{name}_{bm}x{bk}"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                if name == "S":  # the same blocks without dropout
+                    m = dataclasses.replace(no_dropout, shrink_block_m=bm, shrink_block_k=bk)
+                    ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, apply_scale=False, dropout=False))
+                    row[f"shrink_S_{bm}x{bk}_no_dropout"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
             if name == "S":  # the chosen blocks without dropout: what drawing the mask costs
                 o = torch.empty_like(s)
                 ms = gpu_ms(lambda: lora_shrink(u, pack, o, no_dropout, apply_scale=False, dropout=False))
@@ -1008,11 +1014,15 @@ def section_blocks(res, device):
                 m = dataclasses.replace(meta, block_r=br or meta.block_r, config=c)
                 block_r = meta_mod.reduce_rank_block(c, m.block_r, out_is_b)
                 key = f"reduce_{name}_{bn}n_w{warps}_{bmr}m_r{block_r}"
-                try:
-                    ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, m, out_is_b=out_is_b, **kw))
-                    row[key] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
-                except Exception as e:  # a variant that does not compile (shared memory) is recorded
-                    row[key] = f"{type(e).__name__}: {e}"[:200]
+                # dA also without dropout: the keep-mask's unpack changes which blocks are fastest
+                runs = [(key, m, kw)] + ([] if out_is_b else [
+                    (key + "_no_dropout", dataclasses.replace(no_dropout, block_r=m.block_r, config=c), {})])
+                for key, m, kw_run in runs:
+                    try:
+                        ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, m, out_is_b=out_is_b, **kw_run))
+                        row[key] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                    except Exception as e:  # a variant that does not compile (shared memory) is recorded
+                        row[key] = f"{type(e).__name__}: {e}"[:200]
             if fits_differ:
                 ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, one_block, out_is_b=out_is_b, **kw))
                 row[f"reduce_{name}_one_rank_block"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
@@ -1053,7 +1063,8 @@ def section_blocks(res, device):
         fastest = {}  # per kernel ("shrink_S", "reduce_dB", "dSdB", ...): its fastest variant
         for k, v in timed.items():
             kernel = k.split("_")[0] if k.startswith(("dSdB", "packA")) else "_".join(k.split("_")[:2])
-            if k.startswith(("shrink", "reduce", "dSdB", "packA", "chunks")) and "no_dropout" not in k and \
+            kernel += "_no_dropout" if k.endswith("_no_dropout") else ""  # a kernel of its own
+            if k.startswith(("shrink", "reduce", "dSdB", "packA", "chunks")) and \
                     v["ms"] < timed.get(fastest.get(kernel), {"ms": 1e30})["ms"]:
                 fastest[kernel] = k
         print(f"blocks {in_f}->{out_f} tok={tokens} n={n} r={kind}: chosen shrink {row['chosen_shrink']}, "
@@ -1146,7 +1157,7 @@ def summarize(res):
                 # with dropout, the backward's keep-mask spread, against joined
                 ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False),
                 # B^T packed from the B_i where they lie, against from a cat of them
-                ("graphed_pack_by_address_over_by_cat", "fused", "fused_pack_by_cat", False)):
+                ("graphed_pack_by_address_over_by_cat", "fused", "fused_pack_by_cat", False),):
             ratios = [r[num + "_graphed"] / r[den + "_graphed"] for r in big
                       if r.get(num + "_graphed") and r.get(den + "_graphed")]
             if ratios:

@@ -489,6 +489,11 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 graphed["fused_dropout_joined_mask"] = (lambda q: m_fused(q, joined), pd)
                 # B^T packed from a cat of the B_i, as before `pack.pack_bt` read them where they lie (v18)
                 graphed["fused_pack_by_cat"] = (m_fused_pack_by_cat, p)
+                # dA on v11's blocks (8 warps, 256 columns at rank 128), as before v19
+                v11_da = dataclasses.replace(default, reduce_warps=8, reduce_max_block_r=128,
+                                             reduce_block_n=128 if meta_mod.rank_blocks(max(ranks))[0] <= 64 else 256)
+                graphed["fused_v11_dA_blocks"] = (lambda q: m_fused(q, v11_da), p)
+                graphed["fused_dropout_v11_dA_blocks"] = (lambda q: m_fused(q, v11_da), pd)
                 # GPU time alone, host time aside, the methods in turn
                 ms, errors = interleaved_fwd_bwd_ms(graphed)
                 row.update({k + "_graphed": v for k, v in ms.items()})
@@ -508,7 +513,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
                       f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; B^T packed from a cat "
-                      f"{row.get('fused_pack_by_cat_graphed') or 0:.3f}) ms", flush=True)
+                      f"{row.get('fused_pack_by_cat_graphed') or 0:.3f}; dA on v11's blocks "
+                      f"{row.get('fused_v11_dA_blocks_graphed') or 0:.3f}, p=.05 "
+                      f"{row.get('fused_dropout_v11_dA_blocks_graphed') or 0:.3f}) ms", flush=True)
 
 
 RAGGED_PACKS = [(16, "16"), (32, "mixed")]
@@ -960,7 +967,8 @@ def section_blocks(res, device):
         lora_shrink(x, a_pack, torch.empty_like(s), meta, apply_scale=False, dropout=True, mask_nibbles=mask)
         row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, block_m=cfg.block_m,
                    chosen_shrink=[meta.shrink_block_m, meta.shrink_block_k],
-                   chosen_reduce_dA=[cfg.reduce_block_n, cfg.reduce_warps, cfg.reduce_block_m, meta.block_r],
+                   chosen_reduce_dA=[cfg.reduce_block_n, cfg.reduce_warps, cfg.reduce_block_m,
+                                     meta_mod.reduce_rank_block(cfg, meta.block_r, False)],
                    chosen_reduce_dB=[cfg.db_block_n, cfg.db_warps, cfg.db_block_m,
                                      meta_mod.reduce_rank_block(cfg, meta.block_r, True)],
                    chosen_one_pass=[cfg.ds_db_block_n, cfg.ds_db_warps] if cfg.one_pass_dy else None)
@@ -1009,8 +1017,10 @@ def section_blocks(res, device):
         for name, u, v, out_is_b, kw in (("dB", dy, s, True, {}), ("dA", x, s, False, dict(mask_nibbles=mask))):
             grad = db if out_is_b else torch.empty(meta.r_total, in_f, device=device)
             for bn, warps, bmr, br in REDUCE_VARIANTS:
+                # a variant's rank block: its own, else the pack's (dA) or the pack's up to dB's cap
                 c = dataclasses.replace(cfg, reduce_block_n=bn, reduce_warps=warps, reduce_block_m=bmr, db_block_n=bn,
-                                        db_warps=warps, db_block_m=bmr, db_max_block_r=br or cfg.db_max_block_r)
+                                        db_warps=warps, db_block_m=bmr, reduce_max_block_r=br or 128,
+                                        db_max_block_r=br or cfg.db_max_block_r)
                 m = dataclasses.replace(meta, block_r=br or meta.block_r, config=c)
                 block_r = meta_mod.reduce_rank_block(c, m.block_r, out_is_b)
                 key = f"reduce_{name}_{bn}n_w{warps}_{bmr}m_r{block_r}"
@@ -1157,7 +1167,10 @@ def summarize(res):
                 # with dropout, the backward's keep-mask spread, against joined
                 ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False),
                 # B^T packed from the B_i where they lie, against from a cat of them
-                ("graphed_pack_by_address_over_by_cat", "fused", "fused_pack_by_cat", False),):
+                ("graphed_pack_by_address_over_by_cat", "fused", "fused_pack_by_cat", False),
+                # dA on its blocks since v19, against v11's; without dropout and with
+                ("graphed_dA_blocks_over_v11", "fused", "fused_v11_dA_blocks", False),
+                ("graphed_dropout_dA_blocks_over_v11", "fused_dropout", "fused_dropout_v11_dA_blocks", False)):
             ratios = [r[num + "_graphed"] / r[den + "_graphed"] for r in big
                       if r.get(num + "_graphed") and r.get(den + "_graphed")]
             if ratios:

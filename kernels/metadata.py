@@ -67,6 +67,7 @@ class KernelConfig:
     reduce_block_n: int = 64
     reduce_warps: int = 4
     reduce_stages: int = 3
+    reduce_max_block_r: int = 128  # dA's rank block is the pack's, up to this
     db_block_m: int = 64
     db_block_n: int = 128
     db_warps: int = 4
@@ -88,8 +89,8 @@ class KernelConfig:
 # Interpreter (CPU) blocks: small, so that tests run many tiles, K steps and chunks.
 INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, gemm_warps=4,
                                 gemm_stages=1, group_m=2, add_block_n=32, shrink_block_m=16, shrink_block_k=32,
-                                reduce_block_m=16, reduce_block_n=32, db_block_m=16, db_block_n=16, db_max_block_r=16,
-                                chunk_rows=32, chunk_sum_values=256, one_pass_dy=True, ds_db_block_n=16)
+                                reduce_block_m=16, reduce_block_n=32, reduce_max_block_r=32, db_block_m=16,
+                                db_block_n=16, db_max_block_r=16, chunk_rows=32, chunk_sum_values=256, one_pass_dy=True, ds_db_block_n=16)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -170,9 +171,9 @@ def reduce_chunk_rows(seg_lens: Sequence[int], has_lora: Sequence[bool], program
 
 
 def reduce_rank_block(config: KernelConfig, block_r: int, out_is_b: bool) -> int:
-    """The rank block of a row reduction in a pack whose rank block is `block_r`: dA takes
-    the pack's, dB at most `config.db_max_block_r`."""
-    return min(block_r, config.db_max_block_r) if out_is_b else block_r
+    """The rank block of a row reduction in a pack whose rank block is `block_r`: the pack's,
+    up to `config.db_max_block_r` (dB) or `config.reduce_max_block_r` (dA)."""
+    return min(block_r, config.db_max_block_r if out_is_b else config.reduce_max_block_r)
 
 
 def reduce_grid(config: KernelConfig, n_cols: int, max_rank: int, block_r: int, out_is_b: bool) -> tuple[int, int]:
@@ -204,16 +205,17 @@ def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelCo
         return INTERPRET_CONFIG if fuse_base else dataclasses.replace(INTERPRET_CONFIG, fused_base=False)
     block_r = rank_blocks(max(max_rank, 1))[0]
     # The reductions' blocks and the one pass over dY: each kernel alone, GPU time, against
-    # variants (H100, `blocks`, KERNELS_NOTES v11).
-    # - dA: 8 warps, 128 columns (256 for rank blocks of 128); 7-34% faster than v10's blocks
-    #   in 9 of 10 packs.
-    # - dB: 128 columns, rank blocks of at most 64; 20-28% faster for mixed ranks than blocks
-    #   of 128.
+    # variants (`blocks`, KERNELS_NOTES v11 and v19).
+    # - dA and dB alike: 128 columns, 4 warps, 64-row steps, rank blocks of at most 64. For
+    #   dB, 20-28% faster for mixed ranks than blocks of 128 (H100, v11). For dA, the time of
+    #   v11's 8 warps (256 columns at rank 128), H200, v19: with dropout 0.05, 0.71-0.99x at
+    #   16384 tokens and 0.83-1.02x at 2048; without, 0.85-1.01x and 0.84-1.05x. v11's blocks
+    #   predate the backward's spread keep-mask (v14), whose unpack runs better on 4 warps.
     # - dS and dB in one pass over dY where the rank block is 16: 30% faster than two passes
     #   at 16384 tokens. From rank 32 on, its partial sums cost more than dY's second read
     #   (8% slower at 32, 30% at 64).
     shared = dict(shrink_block_m=64, shrink_block_k=64, shrink_warps=4 if block_r <= 64 else 8,
-                  reduce_block_m=64, reduce_block_n=128 if block_r <= 64 else 256, reduce_warps=8, db_block_m=64,
+                  reduce_block_m=64, reduce_block_n=128, reduce_warps=4, reduce_max_block_r=64, db_block_m=64,
                   db_block_n=128, db_warps=4, db_max_block_r=64, chunk_rows=1024, one_pass_dy=block_r <= 16,
                   ds_db_block_n=256, ds_db_warps=8)
     if fuse_base:

@@ -90,7 +90,8 @@ class KernelConfig:
 INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, gemm_warps=4,
                                 gemm_stages=1, group_m=2, add_block_n=32, shrink_block_m=16, shrink_block_k=32,
                                 reduce_block_m=16, reduce_block_n=32, reduce_max_block_r=32, db_block_m=16,
-                                db_block_n=16, db_max_block_r=16, chunk_rows=32, chunk_sum_values=256, one_pass_dy=True, ds_db_block_n=16)
+                                db_block_n=16, db_max_block_r=16, chunk_rows=32, chunk_sum_values=256,
+                                one_pass_dy=True, ds_db_block_n=16)
 
 
 def cdiv(a: int, b: int) -> int:

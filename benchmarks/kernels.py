@@ -547,7 +547,7 @@ def section_ragged(res, device):
                 in_place = meta_mod.config_for(max(ranks), not DRY, False)
                 ms, errors = interleaved_fwd_bwd_ms(dict(base=(m_base, p), fused=(m_fused, p),
                                                          fused_in_place=(lambda q: m_fused(q, in_place), p)))
-                padded = sum(-(-s // meta_mod.FUSED_BLOCK_M) * meta_mod.FUSED_BLOCK_M for s in seg_lens)
+                padded = sum(meta_mod.cdiv(s, meta_mod.FUSED_BLOCK_M) * meta_mod.FUSED_BLOCK_M for s in seg_lens)
                 row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, ranks=ranks,
                            seg_lens=seg_lens, padding=padded / tokens - 1, **{k + "_graphed": v for k, v in ms.items()},
                            **{k + "_graphed_error": e for k, e in errors.items()})

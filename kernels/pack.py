@@ -28,6 +28,7 @@ so a hit is right whatever now lies at those addresses.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Sequence
 
 import torch
@@ -78,7 +79,7 @@ def pack_bt(lora_b: Sequence[torch.Tensor], dtype: torch.dtype, block: int = 64)
     ranks = [b.shape[1] for b in lora_b]
     n = lora_b[0].shape[0]
     dst = lora_b[0].new_empty(sum(ranks), n, dtype=dtype)
-    offsets = [sum(ranks[:i]) for i in range(len(ranks))]
+    offsets = list(itertools.accumulate(ranks, initial=0))[:-1]  # r_offset_i: the ranks before adapter i
     table = _address_table(tuple((b.data_ptr(), r, o) for b, r, o in zip(lora_b, ranks, offsets)),
                            lora_b[0].device)
     _pack_bt_kernel[(cdiv(n, block), len(lora_b), cdiv(max(ranks), block))](table, lora_b[0], dst, n,

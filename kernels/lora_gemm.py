@@ -36,7 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._triton_common import load_adapter, load_keep_mask, load_row_block
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, sm_count
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, sm_count, tma_ready
 
 
 @triton.jit
@@ -252,13 +252,6 @@ def _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_
     lt = tl.load(lora_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :],
                  mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     return st, lt
-
-
-def tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether TMA can describe each 2-D tensor: rows contiguous, the row stride and the
-    start aligned to 16 bytes (so bf16 widths must be multiples of 8)."""
-    return all(t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-               and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _schedule(forward: bool, n: int, n_pairs: int, device: torch.device) -> tuple[int, bool]:

@@ -72,6 +72,9 @@ class KernelConfig:
     db_block_n: int = 128
     db_warps: int = 4
     db_max_block_r: int = 64  # dB's rank block is the pack's, up to this
+    # a chunk's rank blocks are neighbouring programs (they read the same tiles of x or dY)
+    reduce_rank_fastest: bool = True
+    reduce_tma: bool = True  # x's or dY's tiles through a TMA descriptor where TMA can describe it
     chunk_rows: int = 1024  # rows per deterministic partial sum at most; multiple of block_m
     # fewer rows per chunk where a layout has too few chunks to give every SM a program (`reduce_chunk_rows`)
     chunks_fill_sms: bool = True
@@ -108,6 +111,13 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can describe each 2-D tensor: rows contiguous, the row stride and the
+    start aligned to 16 bytes (so bf16 widths must be multiples of 8)."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 @functools.lru_cache(maxsize=8)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .dropout import empty_mask_nibbles
-from .metadata import KernelConfig, LoRABatchMeta, config_for
+from .metadata import KernelConfig, LoRABatchMeta, config_for, tma_ready
 from .reference import Seeds, per_adapter_seeds
 
 
@@ -61,7 +61,7 @@ def _base_plus_lora(a, weight, bias, s, lora_pack, meta, forward, mask_nibbles=N
     """Y = x W^T + b + LoRA (forward) or dX = dY W + LoRA (backward): the base GEMM fused with
     the LoRA term where the config says so and TMA can read the operands, else cuBLAS and the
     LoRA term added in place."""
-    from .lora_gemm import lora_gemm, tma_ready
+    from .lora_gemm import lora_gemm
 
     fused = meta.config.fused_base and (forward or meta.config.fuse_dx) and tma_ready(a, weight)
     if fused:

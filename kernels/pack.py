@@ -5,24 +5,16 @@ of two matrices in the compute dtype (bf16 on GPU): A [R_total, in], the A_i sta
 B^T [R_total, out]. The adapters themselves stay fp32 parameters of their own, as PEFT keeps
 them, so the packing runs in every call and reads every adapter once.
 
-A is one multi-tensor copy (`torch._foreach_copy_`, which casts as it copies) into the
-slices of the packed matrix: each element read once in fp32 and written once in bf16. That
-copy gives each block of its kernel 64k elements of one tensor, so a few small adapters run
-on a few SMs. Up to `CAT_CAST_MAX_ELEMENTS` a cat and a cast pack A instead: two kernels
-across the whole GPU, at the cost of one more fp32 round trip. GPU time on an H100
-(KERNELS_NOTES v11): 0.004 against 0.008 ms for 4 adapters of rank 16 at 4096 wide; for 32
-of mixed ranks the multi-tensor copy wins, 0.021 against 0.033 ms.
-
-B^T needs a transpose, and its B_i lie in tensors of their own. `_pack_bt_kernel` reads
-each B_i where it lies, through a table of their addresses, and moves square tiles through
-registers, reading and writing whole rows. torch's transposing copy reads along one axis
-and writes along the other at about a quarter of the copy rate (KERNELS_NOTES v10); a cat
-of the B_i before a transpose copies every B_i once more in fp32. On an H200, 32 adapters of
-mixed ranks for 3584 -> 18944 packed in 0.074 ms, against 0.167 ms with the cat and 0.367
-ms with torch's cat and transposing copy (`benchmarks/kernels.py --sections blocks`,
-KERNELS_NOTES v18). The address table is cached by the addresses: an adapter's tensors
-keep their storage while its optimizer updates them in place, and a table holds no values,
-so a hit is right whatever now lies at those addresses.
+One kernel packs both (`_pack_kernel`): it reads each A_i and B_i where it lies, through a
+table of their addresses, and writes its tiles cast (A) or transposed and cast (B^T),
+reading and writing whole rows. Each element is read once in fp32 and written once in bf16,
+whatever the number of adapters, in one launch: at 2048 tokens the packing is one of the
+small kernels that make up the layer's fixed cost. A cat of the A_i before a cast copies
+them once more in fp32; torch's transposing copy reads along one axis and writes along the
+other at about a quarter of the copy rate (KERNELS_NOTES v10). The address table is cached
+by the addresses: an adapter's tensors keep their storage while its optimizer updates them
+in place, and a table holds no values, so a hit is right whatever now lies at those
+addresses.
 """
 
 from __future__ import annotations
@@ -37,68 +29,81 @@ import triton.language as tl
 
 from .metadata import cdiv, device_table
 
-CAT_CAST_MAX_ELEMENTS = 2 ** 21  # A's elements up to which a cat and a cast pack it (module docstring)
+_TABLE_COLS = 4  # address, rank, r_offset, is_b
 
 
 @triton.jit
-def _pack_bt_kernel(
-    table_ptr,  # int64 [n_adapters, 3]: B_i's address, r_i, r_offset_i
-    b_like_ptr,  # the B_i's dtype (any one of them)
-    dst_ptr,  # [R_total, N] in the compute dtype: B^T, adapter i from row r_offset_i
+def _pack_kernel(
+    table_ptr,  # int64 [n_sources, 4]: the source's address, r_i, r_offset_i, 1 for a B_i (else an A_i)
+    like_ptr,  # the sources' dtype (any one of them)
+    a_ptr,  # [R_total, K] in the compute dtype: A, adapter i from row r_offset_i
+    bt_ptr,  # [R_total, N] in the compute dtype: B^T, adapter i from row r_offset_i
+    K,  # columns of every A_i (the layer's in features)
     N,  # rows of every B_i (the layer's out features)
-    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """dst[r_offset_i + r, n] = B_i[n, r] for one adapter's tile of BLOCK_N rows and BLOCK_R ranks."""
-    adapter = tl.program_id(1)
-    rank = tl.load(table_ptr + adapter * 3 + 1)
+    """One tile of one source, BLOCK_R of its ranks by BLOCK_C columns of the packed matrix:
+    A[r_offset_i + r, c] = A_i[r, c], or B^T[r_offset_i + r, c] = B_i[c, r]."""
+    source = tl.program_id(1)
+    rank = tl.load(table_ptr + source * 4 + 1)
+    is_b = tl.load(table_ptr + source * 4 + 3) != 0
+    width = tl.where(is_b, N, K)
     r0 = tl.program_id(2) * BLOCK_R
-    if r0 >= rank:  # a rank block past this adapter's rank
+    c0 = tl.program_id(0) * BLOCK_C
+    if r0 >= rank or c0 >= width:  # a block past this source's rank or width
         return
-    src_ptr = tl.load(table_ptr + adapter * 3).to(tl.pointer_type(b_like_ptr.dtype.element_ty))
-    r_offset = tl.load(table_ptr + adapter * 3 + 2)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    src_ptr = tl.load(table_ptr + source * 4).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    r_offset = tl.load(table_ptr + source * 4 + 2)
     offs_r = r0 + tl.arange(0, BLOCK_R)
-    mask = (offs_n < N)[:, None] & (offs_r < rank)[None, :]
-    tile = tl.load(src_ptr + offs_n[:, None].to(tl.int64) * rank + offs_r[None, :], mask=mask)
-    dst = dst_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :]
-    tl.store(dst, tl.trans(tile).to(dst_ptr.dtype.element_ty), mask=tl.trans(mask))
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    mask = (offs_r < rank)[:, None] & (offs_c < width)[None, :]  # [BLOCK_R, BLOCK_C]
+    dst_rows = (r_offset + offs_r)[:, None]
+    if is_b:
+        tile = tl.load(src_ptr + offs_c[:, None].to(tl.int64) * rank + offs_r[None, :], mask=tl.trans(mask))
+        tl.store(bt_ptr + dst_rows * N + offs_c[None, :], tl.trans(tile).to(bt_ptr.dtype.element_ty), mask=mask)
+    else:
+        tile = tl.load(src_ptr + offs_r[:, None].to(tl.int64) * K + offs_c[None, :], mask=mask)
+        tl.store(a_ptr + dst_rows * K + offs_c[None, :], tile.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.lru_cache(maxsize=4096)
 def _address_table(rows: tuple, device: torch.device) -> torch.Tensor:
-    """(address, rank, r_offset) of each B_i, on the device (module docstring: why cached)."""
-    return device_table(rows, 3, torch.int64, device)
+    """(address, rank, r_offset, is_b) of each source, on the device (module docstring: why cached)."""
+    return device_table(rows, _TABLE_COLS, torch.int64, device)
 
 
-def pack_bt(lora_b: Sequence[torch.Tensor], dtype: torch.dtype, block: int = 64) -> torch.Tensor:
-    """B^T [R_total, out] in `dtype`, B_i^T from row r_offset_i, in one kernel. A B_i that is
-    not contiguous is copied first; its copy's address then misses the table cache, which
-    costs a host-to-device copy per call (one a CUDA graph cannot capture)."""
-    lora_b = [b.contiguous() for b in lora_b]
-    ranks = [b.shape[1] for b in lora_b]
-    n = lora_b[0].shape[0]
-    dst = lora_b[0].new_empty(sum(ranks), n, dtype=dtype)
-    offsets = list(itertools.accumulate(ranks, initial=0))[:-1]  # r_offset_i: the ranks before adapter i
-    table = _address_table(tuple((b.data_ptr(), r, o) for b, r, o in zip(lora_b, ranks, offsets)),
-                           lora_b[0].device)
-    _pack_bt_kernel[(cdiv(n, block), len(lora_b), cdiv(max(ranks), block))](table, lora_b[0], dst, n,
-                                                                          BLOCK_N=block, BLOCK_R=block)
-    return dst
+def pack_into(a_pack: torch.Tensor, bt_pack: torch.Tensor, lora_a: Sequence[torch.Tensor],
+              lora_b: Sequence[torch.Tensor], block: int = 64) -> None:
+    """Write each A_i into rows r_offset_i.. of `a_pack` and each B_i^T into those of
+    `bt_pack`, in one kernel. Either list may be empty, which leaves its matrix alone. A source
+    that is not contiguous is copied first; its copy's address then misses the table cache,
+    which costs a host-to-device copy per call (one a CUDA graph cannot capture)."""
+    lora_a, lora_b = [t.contiguous() for t in lora_a], [t.contiguous() for t in lora_b]
+    sources = lora_a + lora_b
+    if not sources:
+        return
+    rows = []
+    for group, is_b in ((lora_a, 0), (lora_b, 1)):
+        ranks = [t.shape[is_b] for t in group]
+        offsets = itertools.accumulate(ranks, initial=0)  # r_offset_i: the ranks before adapter i
+        rows += [(t.data_ptr(), r, o, is_b) for t, r, o in zip(group, ranks, offsets)]
+    table = _address_table(tuple(rows), sources[0].device)
+    n_cols = max(a_pack.shape[1] if lora_a else 0, bt_pack.shape[1] if lora_b else 0)
+    grid = (cdiv(n_cols, block), len(sources), cdiv(max(r for _, r, _, _ in rows), block))
+    _pack_kernel[grid](table, sources[0], a_pack, bt_pack, a_pack.shape[1], bt_pack.shape[1],
+                       BLOCK_C=block, BLOCK_R=block)
 
 
 @torch.no_grad()
 def pack_adapters(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], dtype: torch.dtype):
     """(A [R_total, in], B^T [R_total, out]) in `dtype`, adapter i from row r_offset_i.
-    `lora_a`, `lora_b`: the adapters with rows, in order (A_i [r_i, in], B_i [out, r_i]).
-    A few ops whatever the number of adapters: host time, since this runs in every call."""
-    ranks = [a.shape[0] for a in lora_a]
-    if sum(ranks) * lora_a[0].shape[1] <= CAT_CAST_MAX_ELEMENTS:
-        a_pack = torch.cat(list(lora_a)).to(dtype)
-    else:
-        a_pack = lora_a[0].new_empty(sum(ranks), lora_a[0].shape[1], dtype=dtype)
-        torch._foreach_copy_(a_pack.split(ranks), list(lora_a))
-    return a_pack, pack_bt(lora_b, dtype)
+    `lora_a`, `lora_b`: the adapters with rows, in order (A_i [r_i, in], B_i [out, r_i])."""
+    r_total = sum(a.shape[0] for a in lora_a)
+    a_pack = lora_a[0].new_empty(r_total, lora_a[0].shape[1], dtype=dtype)
+    bt_pack = lora_b[0].new_empty(r_total, lora_b[0].shape[0], dtype=dtype)
+    pack_into(a_pack, bt_pack, lora_a, lora_b)
+    return a_pack, bt_pack
 
 
 def reference_pack_adapters(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], dtype: torch.dtype):

@@ -19,11 +19,13 @@ from typing import Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, load_adapter, load_keep_mask,
                              load_row_block)
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, reduce_grid, reduce_rank_block
+from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, reduce_grid, reduce_rank_block,
+                       tma_ready)
 
 _CHUNK_FIRST_COL = ADAPTER_INT_COLS.index("chunk_first")
 
@@ -57,6 +59,7 @@ def _store_chunk_sum(out_ptr, acc, coef, chunk, r_offset, rank, offs_n, offs_r, 
 def _row_reduce_kernel(
     # pointers
     u_ptr,  # [M, N] rows: dY (for dB) or x (for dA)
+    u_desc,  # TMA descriptor of u in blocks [BLOCK_M, BLOCK_N] (read if U_TMA)
     v_ptr,  # [M, rank_stride] in u's dtype: S (for dB) or dS (for dA)
     out_ptr,  # DIRECT: dB (flat [N, r_i] blocks) or dA [r_total, N]; else fp32 partials [n_chunks, N, rank_stride]
     mask_ptr,  # uint8 [M, n_groups]: x's keep-mask nibbles (dA with dropout)
@@ -79,13 +82,17 @@ def _row_reduce_kernel(
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,  # the largest rank block; grid axis 2 covers the largest rank
+    BLOCK_R: tl.constexpr,  # the largest rank block; a grid axis covers the largest rank
     FIT_RANK_BLOCK: tl.constexpr,  # each adapter's programs take the smallest rank block holding its rank
     SPREAD_MASK: tl.constexpr,  # dA reads the keep-mask spread over x's columns (`load_keep_mask`)
+    RANK_FASTEST: tl.constexpr,  # grid (rank block, chunk, column block), else (chunk, column block, rank block)
+    U_TMA: tl.constexpr,  # u's tiles through u_desc, else through pointers
 ):
-    chunk = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_r = tl.program_id(2)
+    if RANK_FASTEST:
+        # a chunk's rank blocks run side by side, so the second reads u's tile from L2
+        pid_r, chunk, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        chunk, pid_n, pid_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     adapter, row_start, row_end = load_row_block(chunks_ptr, chunk)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
@@ -97,44 +104,67 @@ def _row_reduce_kernel(
     for halvings in tl.static_range(RANK_BLOCK_SIZES):
         if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:
             if fit == BLOCK_R >> halvings:
-                _reduce_rows(u_ptr, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_end, r0, rank, threshold,
-                             r_offset, scale, inv_keep, N, rank_stride, n_groups, stride_um, stride_vm, OUT_IS_B,
-                             DIRECT, HAS_DROPOUT, SPREAD_MASK, BLOCK_M, BLOCK_N, BLOCK_R >> halvings)
+                _reduce_rows(u_ptr, u_desc, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_end, r0, rank,
+                             threshold, r_offset, scale, inv_keep, N, rank_stride, n_groups, stride_um, stride_vm,
+                             OUT_IS_B, DIRECT, HAS_DROPOUT, SPREAD_MASK, U_TMA, BLOCK_M, BLOCK_N,
+                             BLOCK_R >> halvings)
 
 
 @triton.jit
-def _reduce_rows(u_ptr, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_end, r0, rank, threshold, r_offset,
-                 scale, inv_keep, N, rank_stride, n_groups, stride_um, stride_vm, OUT_IS_B: tl.constexpr,
-                 DIRECT: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPREAD_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _reduce_rows(u_ptr, u_desc, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_end, r0, rank, threshold,
+                 r_offset, scale, inv_keep, N, rank_stride, n_groups, stride_um, stride_vm, OUT_IS_B: tl.constexpr,
+                 DIRECT: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPREAD_MASK: tl.constexpr, U_TMA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program's sum over its chunk's rows, columns pid_n * BLOCK_N .. and rank columns
-    r0 .. r0 + BLOCK_R."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r0 .. r0 + BLOCK_R: whole steps of BLOCK_M rows, then the chunk's last rows, masked."""
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     n_mask = offs_n < N
     r_mask = offs_r < rank
     offs_m = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-    for m0 in range(row_start, row_end, BLOCK_M):
+    full_end = row_start + (row_end - row_start) // BLOCK_M * BLOCK_M
+    for m0 in range(row_start, full_end, BLOCK_M):
         rows = m0 + offs_m
+        if U_TMA:
+            ut = u_desc.load([m0, n0])  # columns past N come as zeros
+        else:
+            ut = tl.load(u_ptr + rows[:, None].to(tl.int64) * stride_um + offs_n[None, :], mask=n_mask[None, :],
+                         other=0.0)
+        acc = _reduce_step(acc, ut, v_ptr, mask_ptr, rows, rows < row_end, threshold, offs_r, r_mask, n0,
+                           n_groups, stride_vm, OUT_IS_B, HAS_DROPOUT, SPREAD_MASK, BLOCK_N)
+    if full_end < row_end:
+        # The last rows: zeroed past the chunk, where the next adapter's rows begin. Zeros in
+        # v alone would not do: a non-finite value there (an adapter that diverged) times
+        # zero is NaN, and must not reach this adapter's gradient.
+        rows = full_end + offs_m
         m_mask = rows < row_end
         ut = tl.load(u_ptr + rows[:, None].to(tl.int64) * stride_um + offs_n[None, :],
-                     mask=m_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
-        if not OUT_IS_B:
-            if HAS_DROPOUT:
-                if threshold > 0:
-                    keep = load_keep_mask(mask_ptr, rows.to(tl.int64), m_mask, pid_n * BLOCK_N, n_groups, BLOCK_N,
-                                          SPREAD_MASK)
-                    ut = tl.where(keep, ut, tl.zeros_like(ut))
-        vt = tl.load(v_ptr + rows[:, None].to(tl.int64) * stride_vm + offs_r[None, :],
-                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-        acc = tl.dot(tl.trans(ut), vt.to(ut.dtype), acc)
+                     mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _reduce_step(acc, ut, v_ptr, mask_ptr, rows, m_mask, threshold, offs_r, r_mask, n0, n_groups,
+                           stride_vm, OUT_IS_B, HAS_DROPOUT, SPREAD_MASK, BLOCK_N)
 
     if OUT_IS_B:
         coef = scale
     else:
         coef = inv_keep
     _store_chunk_sum(out_ptr, acc, coef, chunk, r_offset, rank, offs_n, offs_r, N, rank_stride, OUT_IS_B, DIRECT)
+
+
+@triton.jit
+def _reduce_step(acc, ut, v_ptr, mask_ptr, rows, m_mask, threshold, offs_r, r_mask, n0, n_groups, stride_vm,
+                 OUT_IS_B: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPREAD_MASK: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """acc += u's tile [BLOCK_M, BLOCK_N]^T (dropped, for dA) @ v's rows [BLOCK_M, BLOCK_R]."""
+    if not OUT_IS_B:
+        if HAS_DROPOUT:
+            if threshold > 0:
+                keep = load_keep_mask(mask_ptr, rows.to(tl.int64), m_mask, n0, n_groups, BLOCK_N, SPREAD_MASK)
+                ut = tl.where(keep, ut, tl.zeros_like(ut))
+    vt = tl.load(v_ptr + rows[:, None].to(tl.int64) * stride_vm + offs_r[None, :],
+                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+    return tl.dot(tl.trans(ut), vt.to(ut.dtype), acc)
 
 
 @triton.jit
@@ -207,8 +237,12 @@ def lora_row_reduce(
     direct = meta.max_chunks_per_adapter <= 1
     part = out if direct else torch.empty(meta.n_chunks, N, meta.rank_stride, device=u.device,
                                           dtype=torch.float32)
-    _row_reduce_kernel[(meta.n_chunks, n_blocks, r_blocks)](
-        u, v, part, mask_nibbles if has_dropout else v, *meta.chunk_args(),
+    u_tma = cfg.reduce_tma and tma_ready(u)
+    u_desc = TensorDescriptor.from_tensor(u, [block_m, block_n]) if u_tma else u
+    grid = ((r_blocks, meta.n_chunks, n_blocks) if cfg.reduce_rank_fastest
+            else (meta.n_chunks, n_blocks, r_blocks))
+    _row_reduce_kernel[grid](
+        u, u_desc, v, part, mask_nibbles if has_dropout else v, *meta.chunk_args(),
         N, meta.rank_stride, cdiv(N, 4),
         u.stride(0), v.stride(0),
         OUT_IS_B=out_is_b,
@@ -216,6 +250,8 @@ def lora_row_reduce(
         HAS_DROPOUT=has_dropout,
         FIT_RANK_BLOCK=cfg.fit_rank_block,
         SPREAD_MASK=cfg.spread_mask,
+        RANK_FASTEST=cfg.reduce_rank_fastest,
+        U_TMA=u_tma,
         N_INT_COLS=len(ADAPTER_INT_COLS),
         N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
         BLOCK_M=block_m,

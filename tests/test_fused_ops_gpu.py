@@ -73,13 +73,10 @@ def test_cross_entropy_bf16_against_float64(rows, vocab):
     assert torch.all(got_grad[::5] == 0) and torch.all(got_losses[::5] == 0)
 
 
-# A by a cat and a cast (4 x 16 x 4096 elements), and by the multi-tensor copy (694 x 3584, above
-# pack.CAT_CAST_MAX_ELEMENTS)
+# four adapters of one rank, and seven of ranks from 1 to 256 (several rank blocks, odd widths)
 @pytest.mark.parametrize("ranks,in_f,out_f", [([16] * 4, 4096, 4096), ([8, 128, 1, 37, 64, 256, 200], 3584, 18944)])
 def test_packed_adapters_equal_torch_bit_for_bit(ranks, in_f, out_f):
-    from lora_sweep.kernels.pack import CAT_CAST_MAX_ELEMENTS, pack_adapters, reference_pack_adapters
-
-    assert (sum(ranks) * in_f > CAT_CAST_MAX_ELEMENTS) == (len(ranks) > 4)
+    from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters
 
     torch.manual_seed(len(ranks))
     lora_a = [torch.randn(r, in_f, device="cuda") for r in ranks]

@@ -39,7 +39,6 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     reduce_chunk_rows,
     shrink_blocks,
 )
-from lora_sweep.kernels import pack as pack_module  # noqa: E402
 from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters  # noqa: E402
 from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
 from lora_sweep.kernels.shrink import lora_shrink, reference_lora_shrink  # noqa: E402
@@ -68,6 +67,9 @@ CONFIGS = {
     "joined_mask": dataclasses.replace(INTERPRET_CONFIG, spread_mask=False),
     # the fused GEMM adds an unmasked LoRA term before its K loop (the others after it)
     "lora_term_first": dataclasses.replace(INTERPRET_CONFIG, lora_term_last=False),
+    # the row reductions read x and dY through pointers, a chunk's rank blocks far apart in the
+    # grid (the others: TMA where the width allows, rank blocks side by side)
+    "reduce_by_pointers": dataclasses.replace(INTERPRET_CONFIG, reduce_tma=False, reduce_rank_fastest=False),
 }
 
 
@@ -372,29 +374,28 @@ def _adapters_with_rows(lora_a, lora_b, meta):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("a_by", ["cat_cast", "foreach_copy"])
-def test_packed_adapters_equal_the_reference(dtype, a_by, monkeypatch):
-    # A packed by a cat and a cast (small packs), or by the multi-tensor copy (CAT_CAST_MAX_ELEMENTS 0)
-    monkeypatch.setattr(pack_module, "CAT_CAST_MAX_ELEMENTS", 2 ** 21 if a_by == "cat_cast" else 0)
-    # odd ranks and widths: B^T's tiles end mid-row and mid-column
+def test_packed_adapters_equal_the_reference(dtype):
+    # odd ranks and widths: tiles end mid-row and mid-column; rank 70 takes two rank blocks,
+    # and A (37 wide) fewer column blocks than B^T (71)
     torch.manual_seed(3)
-    ranks, in_f, out_f = [1, 3, 17, 40, 5], 37, 71
+    ranks, in_f, out_f = [1, 3, 17, 70, 5], 37, 71
     lora_a = [torch.randn(r, in_f) for r in ranks]
     lora_b = [torch.randn(out_f, r) for r in ranks]
-    for a, b in ((lora_a, lora_b), (lora_a[:1], lora_b[:1])):  # five adapters, and one (no cat)
+    for a, b in ((lora_a, lora_b), (lora_a[:1], lora_b[:1])):  # five adapters, and one
         for got, want in zip(pack_adapters(a, b, dtype), reference_pack_adapters(a, b, dtype)):
             assert got.dtype == dtype and got.is_contiguous() and got.shape == want.shape
             if dtype == torch.float32:
                 assert torch.equal(got, want)
             else:  # the interpreter's casts to bf16 truncate (a GPU rounds to nearest, as torch)
                 assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=0)
-    # B^T is read through a cached table of the B_i's addresses: updated in place, as an
+    # the adapters are read through a cached table of their addresses: updated in place, as an
     # optimizer updates them, the next packing reads the new values
     with torch.no_grad():
-        for b in lora_b:
-            b.mul_(-2.0).add_(1.0)
-    assert torch.equal(pack_adapters(lora_a, lora_b, torch.float32)[1],
-                       reference_pack_adapters(lora_a, lora_b, torch.float32)[1])
+        for t in lora_a + lora_b:
+            t.mul_(-2.0).add_(1.0)
+    for got, want in zip(pack_adapters(lora_a, lora_b, torch.float32),
+                         reference_pack_adapters(lora_a, lora_b, torch.float32)):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("config", ["fused", "split_chunks", "lora_term_first"])
@@ -451,6 +452,37 @@ def test_each_kernel_matches_its_reference(config):
             lora_ds_db(dy, s, bt_pack, ds_one, db_one, meta)
             assert_close(ds_one[:, : ds_ref.shape[1]][rows_with_lora], ds_ref[rows_with_lora], what="one-pass dS")
             assert_close(db_one, want, what="one-pass dB")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the diverged rows' own sums
+@pytest.mark.parametrize("config", ["fused", "reduce_by_pointers"])
+def test_a_diverged_adapter_leaves_its_neighbours_gradients_alone(config):
+    # Adapter 1's dY and x rows are non-finite (a diverged trial). Its neighbours' chunks end
+    # mid-step, where a reduction's last step reads past them into adapter 1's rows: their
+    # dA and dB must still be exactly what they are without adapter 1's rows poisoned.
+    torch.manual_seed(5)
+    seg_lens, ranks, in_f, out_f = [21, 19, 23], [16, 33, 5], 40, 56
+    lora_a = [torch.randn(r, in_f) for r in ranks]
+    lora_b = [torch.randn(out_f, r) for r in ranks]
+    weight = torch.randn(out_f, in_f)
+    case = (torch.randn(63, in_f), weight, None, lora_a, lora_b, [1.0, 2.0, 0.5], [0.0] * 3, seg_lens, [1, 2, 3])
+    meta = _meta(case, CONFIGS[config])
+    rows = [slice(0, 21), slice(21, 40), slice(40, 63)]
+    x, dy = torch.randn(63, in_f), torch.randn(63, out_f)
+    s, ds = torch.randn(63, meta.rank_stride), torch.randn(63, meta.rank_stride)
+    poisoned_x, poisoned_dy = x.clone(), dy.clone()
+    poisoned_x[rows[1]], poisoned_dy[rows[1]] = float("nan"), float("inf")
+    for out_is_b, clean, poisoned, v in ((True, dy, poisoned_dy, s), (False, x, poisoned_x, ds)):
+        shape = (out_f * meta.r_total,) if out_is_b else (meta.r_total, in_f)
+        want, got = torch.zeros(shape), torch.zeros(shape)
+        lora_row_reduce(clean, v, want, meta, out_is_b=out_is_b)
+        lora_row_reduce(poisoned, v, got, meta, out_is_b=out_is_b)
+        sizes = [out_f * r for r in ranks] if out_is_b else ranks
+        for i, (g, w) in enumerate(zip(got.split(sizes), want.split(sizes))):
+            if i == 1:
+                assert not g.isfinite().all(), "the diverged adapter's own gradient"
+            else:
+                assert torch.equal(g, w), f"adapter {i}'s {'dB' if out_is_b else 'dA'}"
 
 
 # --------------------------------------------------------------------------- public entry point

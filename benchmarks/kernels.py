@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import datetime
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -154,36 +155,41 @@ def m_fused(p, config=None):
                                     p["dropout_p"], p["seg_lens"], p["seed"], config=config)
 
 
-_CAT_BUFFERS = {}  # (rows, columns, device) -> the B_i side by side, one buffer per shape
+V19_CAT_CAST_MAX_ELEMENTS = 2 ** 21  # A's elements up to which v19 packed it by a cat and a cast
+
+
+def pack_in_two_launches(lora_a, lora_b, dtype):
+    """The packing until v20: A by torch (a cat and a cast up to 2**21 elements, else one
+    multi-tensor copy, which casts as it copies), then B^T by the packing kernel alone."""
+    from lora_sweep.kernels.pack import pack_into
+
+    ranks = [a.shape[0] for a in lora_a]
+    with torch.no_grad():
+        if sum(ranks) * lora_a[0].shape[1] <= V19_CAT_CAST_MAX_ELEMENTS:
+            a_pack = torch.cat(list(lora_a)).to(dtype)
+        else:
+            a_pack = lora_a[0].new_empty(sum(ranks), lora_a[0].shape[1], dtype=dtype)
+            torch._foreach_copy_(a_pack.split(ranks), list(lora_a))
+        bt_pack = lora_b[0].new_empty(sum(ranks), lora_b[0].shape[0], dtype=dtype)
+        pack_into(bt_pack, bt_pack, [], lora_b)  # B^T only: the A destination is not touched
+    return a_pack, bt_pack
 
 
 @contextlib.contextmanager
-def b_packed_by_cat():
-    """B^T packed as until v18: the B_i copied side by side by torch.cat, then transposed by the
-    same tiled kernel, which then reads one tensor (`pack.pack_bt`). The cat writes into one
-    buffer per shape, so that its address, and the address table cached by it, stay the
-    same in a CUDA graph as in the calls before its capture (as until v18, no table copy)."""
+def packed_in_two_launches():
+    """The layer with `pack_in_two_launches` as its packing (the Function looks it up per call)."""
     from lora_sweep.kernels import pack as pack_module
 
-    own = pack_module.pack_bt
-
-    def by_cat(lora_b, dtype):
-        if len(lora_b) == 1:
-            return own(lora_b, dtype)
-        key = (lora_b[0].shape[0], sum(b.shape[1] for b in lora_b), lora_b[0].device)
-        if key not in _CAT_BUFFERS:
-            _CAT_BUFFERS[key] = lora_b[0].new_empty(key[:2])
-        return own([torch.cat(list(lora_b), 1, out=_CAT_BUFFERS[key])], dtype)
-
-    pack_module.pack_bt = by_cat
+    own = pack_module.pack_adapters
+    pack_module.pack_adapters = pack_in_two_launches
     try:
         yield
     finally:
-        pack_module.pack_bt = own
+        pack_module.pack_adapters = own
 
 
-def m_fused_pack_by_cat(p):
-    with b_packed_by_cat():
+def m_fused_pack_two_launches(p):
+    with packed_in_two_launches():
         return m_fused(p)
 
 
@@ -487,13 +493,13 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 # the backward's keep-mask joined from its four bits, as before `spread_mask` (v14)
                 joined = dataclasses.replace(default, spread_mask=False)
                 graphed["fused_dropout_joined_mask"] = (lambda q: m_fused(q, joined), pd)
-                # B^T packed from a cat of the B_i, as before `pack.pack_bt` read them where they lie (v18)
-                graphed["fused_pack_by_cat"] = (m_fused_pack_by_cat, p)
-                # dA on v11's blocks (8 warps, 256 columns at rank 128), as before v19
-                v11_da = dataclasses.replace(default, reduce_warps=8, reduce_max_block_r=128,
-                                             reduce_block_n=128 if meta_mod.rank_blocks(max(ranks))[0] <= 64 else 256)
-                graphed["fused_v11_dA_blocks"] = (lambda q: m_fused(q, v11_da), p)
-                graphed["fused_dropout_v11_dA_blocks"] = (lambda q: m_fused(q, v11_da), pd)
+                # A packed by torch and B^T by a kernel of its own, as until v20
+                graphed["fused_pack_two_launches"] = (m_fused_pack_two_launches, p)
+                # the reductions reading x and dY through pointers, a chunk's rank blocks far apart
+                # in the grid, as until v20
+                v19_reduce = dataclasses.replace(default, reduce_tma=False, reduce_rank_fastest=False)
+                graphed["fused_v19_reduce"] = (lambda q: m_fused(q, v19_reduce), p)
+                graphed["fused_dropout_v19_reduce"] = (lambda q: m_fused(q, v19_reduce), pd)
                 # GPU time alone, host time aside, the methods in turn
                 ms, errors = interleaved_fwd_bwd_ms(graphed)
                 row.update({k + "_graphed": v for k, v in ms.items()})
@@ -512,10 +518,10 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_lora_first_graphed') or 0:.3f}; in place "
                       f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
-                      f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; B^T packed from a cat "
-                      f"{row.get('fused_pack_by_cat_graphed') or 0:.3f}; dA on v11's blocks "
-                      f"{row.get('fused_v11_dA_blocks_graphed') or 0:.3f}, p=.05 "
-                      f"{row.get('fused_dropout_v11_dA_blocks_graphed') or 0:.3f}) ms", flush=True)
+                      f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; packed in two launches "
+                      f"{row.get('fused_pack_two_launches_graphed') or 0:.3f}; v19's reductions "
+                      f"{row.get('fused_v19_reduce_graphed') or 0:.3f}, p=.05 "
+                      f"{row.get('fused_dropout_v19_reduce_graphed') or 0:.3f}) ms", flush=True)
 
 
 RAGGED_PACKS = [(16, "16"), (32, "mixed")]
@@ -937,9 +943,11 @@ def section_blocks(res, device):
     the copy ceiling is in `ceilings`). Shrink variants are (rows per program, K step);
     reduction variants (column block, warps, rows per step, rank block). dS and dB of the
     two-pass backward (the dS shrink and the dB reduction, chosen blocks) beside the one pass
-    over dY (`ds_db.py`; variants: columns per program, warps). The packing beside torch's
-    (`pack_reference`), and A's packing alone two ways, GB/s of each element read once and
-    written once. The forward shrink's and dA's variants run with dropout and again without
+    over dY (`ds_db.py`; variants: columns per program, warps). The packing in one launch beside
+    v19's two (`pack_two_launches`) and torch's (`pack_reference`), GB/s of each element read
+    once and written once. The reductions reading x or dY through TMA or pointers, with a
+    chunk's rank blocks side by side in the grid or far apart (`reduce_*_tma_*`,
+    `reduce_*_pointers_*`; `KernelConfig.reduce_tma`, `reduce_rank_fastest`). The forward shrink's and dA's variants run with dropout and again without
     (`*_no_dropout`): the mask's draw and unpack change which blocks are fastest. Beside the
     chosen blocks: the forward shrink without dropout (what drawing the mask costs,
     `shrink_S_no_dropout`), dA reading its keep-mask spread and joined
@@ -979,20 +987,13 @@ def section_blocks(res, device):
                                          in_f, out_f, device, cfg)
         fits_differ = rank_blocks_differ(ranks)
         one_block = dataclasses.replace(meta, config=dataclasses.replace(cfg, fit_rank_block=False))
-        # the per-call packing of the fp32 adapters into bf16 A and B^T, beside torch's (cat, cast, transposing copy)
+        # the per-call packing of the fp32 adapters into bf16 A and B^T: one launch, beside v19's
+        # two (A by torch, B^T by the kernel) and torch's (cat, cast, transposing copy)
         adapter_bytes = 6 * sum(ranks) * (in_f + out_f)  # fp32 read + bf16 write, each element once
-        for name, fn in (("pack", pack_adapters), ("pack_reference", reference_pack_adapters)):
+        for name, fn in (("pack", pack_adapters), ("pack_two_launches", pack_in_two_launches),
+                         ("pack_reference", reference_pack_adapters)):
             ms = gpu_ms(lambda: fn(p["lora_a"], p["lora_b"], x.dtype))
             row[name] = dict(ms=ms, GBps=adapter_bytes / ms / 1e6)
-        with b_packed_by_cat():  # B^T from a cat of the B_i, as until v18
-            ms = gpu_ms(lambda: pack_adapters(p["lora_a"], p["lora_b"], x.dtype))
-        row["pack_by_cat"] = dict(ms=ms, GBps=adapter_bytes / ms / 1e6)
-        a_bytes = 6 * sum(ranks) * in_f
-        for name, fn in (("packA_foreach", lambda: torch._foreach_copy_(a_pack.split(ranks), p["lora_a"])),
-                         ("packA_cat_cast", lambda: torch.cat(p["lora_a"]).to(x.dtype))):
-            with torch.no_grad():  # as pack_adapters runs
-                ms = gpu_ms(fn)
-            row[name] = dict(ms=ms, GBps=a_bytes / ms / 1e6)
         for name, u, pack, kw in (("S", x, a_pack, dict(apply_scale=False, dropout=True, mask_nibbles=mask)),
                                   ("dS", dy, bt_pack, dict(apply_scale=True, dropout=False))):
             for bm, bk in SHRINK_VARIANTS:
@@ -1043,6 +1044,18 @@ def section_blocks(res, device):
         for name, m in (("dA_spread_mask", meta), ("dA_joined_mask", joined)):
             ms = gpu_ms(lambda: lora_row_reduce(x, s, da, m, out_is_b=False, mask_nibbles=mask))
             row[f"reduce_{name}"] = dict(ms=ms, GBps=x.numel() * x.element_size() / ms / 1e6)
+        # the reductions' reads, chosen blocks: x's or dY's tiles through TMA or through pointers,
+        # a chunk's rank blocks side by side in the grid or far apart (v19: pointers, far apart)
+        for name, u, v, out_is_b, kw in (("dB", dy, s, True, {}), ("dA", x, s, False, dict(mask_nibbles=mask))):
+            grad = db if out_is_b else torch.empty(meta.r_total, in_f, device=device)
+            for tma, fastest in itertools.product((True, False), (True, False)):
+                c = dataclasses.replace(cfg, reduce_tma=tma, reduce_rank_fastest=fastest)
+                key = f"reduce_{name}_{'tma' if tma else 'pointers'}_rank_{'fastest' if fastest else 'last'}"
+                runs = [(key, meta, kw)] + ([] if out_is_b else [(key + "_no_dropout", no_dropout, {})])
+                for key, m, kw_run in runs:
+                    m = dataclasses.replace(m, config=c)
+                    ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, m, out_is_b=out_is_b, **kw_run))
+                    row[key] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
         # dS and dB: two passes over dY (what the default ran before one_pass_dy) against one
         two = dataclasses.replace(meta, config=dataclasses.replace(cfg, one_pass_dy=False))
         ds = torch.empty_like(s)
@@ -1073,9 +1086,9 @@ def section_blocks(res, device):
         timed = {k: v for k, v in row.items() if isinstance(v, dict)}
         fastest = {}  # per kernel ("shrink_S", "reduce_dB", "dSdB", ...): its fastest variant
         for k, v in timed.items():
-            kernel = k.split("_")[0] if k.startswith(("dSdB", "packA")) else "_".join(k.split("_")[:2])
+            kernel = k.split("_")[0] if k.startswith("dSdB") else "_".join(k.split("_")[:2])
             kernel += "_no_dropout" if k.endswith("_no_dropout") else ""  # a kernel of its own
-            if k.startswith(("shrink", "reduce", "dSdB", "packA", "chunks")) and \
+            if k.startswith(("shrink", "reduce", "dSdB", "chunks")) and \
                     v["ms"] < timed.get(fastest.get(kernel), {"ms": 1e30})["ms"]:
                 fastest[kernel] = k
         print(f"blocks {in_f}->{out_f} tok={tokens} n={n} r={kind}: chosen shrink {row['chosen_shrink']}, "
@@ -1167,11 +1180,12 @@ def summarize(res):
                 ("graphed_fused_over_in_place", "fused", "fused_in_place", False),
                 # with dropout, the backward's keep-mask spread, against joined
                 ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False),
-                # B^T packed from the B_i where they lie, against from a cat of them
-                ("graphed_pack_by_address_over_by_cat", "fused", "fused_pack_by_cat", False),
-                # dA on its blocks since v19, against v11's; without dropout and with
-                ("graphed_dA_blocks_over_v11", "fused", "fused_v11_dA_blocks", False),
-                ("graphed_dropout_dA_blocks_over_v11", "fused_dropout", "fused_dropout_v11_dA_blocks", False)):
+                # A and B^T packed in one launch, against A by torch and B^T apart (v19)
+                ("graphed_one_pack_launch_over_two", "fused", "fused_pack_two_launches", False),
+                # the reductions since v20 (TMA, rank blocks side by side) against v19's;
+                # without dropout and with
+                ("graphed_reduce_over_v19", "fused", "fused_v19_reduce", False),
+                ("graphed_dropout_reduce_over_v19", "fused_dropout", "fused_dropout_v19_reduce", False)):
             ratios = [r[num + "_graphed"] / r[den + "_graphed"] for r in big
                       if r.get(num + "_graphed") and r.get(den + "_graphed")]
             if ratios:

@@ -62,6 +62,7 @@ class KernelConfig:
     shrink_block_k: int = 64
     shrink_warps: int = 4
     shrink_stages: int = 3
+    shrink_tma: bool = True  # x's or dY's tiles through a TMA descriptor where TMA can describe it
     # row reductions: dA = dS^T dropout(x) (reduce_*) and dB = scale dY^T S (db_*)
     reduce_block_m: int = 64  # rows per step
     reduce_block_n: int = 64

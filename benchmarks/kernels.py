@@ -495,12 +495,14 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 graphed["fused_dropout_joined_mask"] = (lambda q: m_fused(q, joined), pd)
                 # A packed by torch and B^T by a kernel of its own, as until v20
                 graphed["fused_pack_two_launches"] = (m_fused_pack_two_launches, p)
-                # the shrinks and reductions reading x and dY through pointers, the reductions' rank
-                # blocks far apart in the grid: v19's loads and grid
-                by_pointers = dataclasses.replace(default, reduce_tma=False, reduce_rank_fastest=False,
-                                                  shrink_tma=False)
-                graphed["fused_reads_by_pointers"] = (lambda q: m_fused(q, by_pointers), p)
-                graphed["fused_dropout_reads_by_pointers"] = (lambda q: m_fused(q, by_pointers), pd)
+                # the shrinks that draw no mask on 3 pipeline stages, as the ones that do (v19)
+                three_stages = dataclasses.replace(default, shrink_stages_no_dropout=default.shrink_stages)
+                graphed["fused_shrink_3_stages"] = (lambda q: m_fused(q, three_stages), p)
+                # the reductions reading x and dY through pointers, a chunk's rank blocks far apart
+                # in the grid: v19's loads and grid
+                by_pointers = dataclasses.replace(default, reduce_tma=False, reduce_rank_fastest=False)
+                graphed["fused_reduce_by_pointers"] = (lambda q: m_fused(q, by_pointers), p)
+                graphed["fused_dropout_reduce_by_pointers"] = (lambda q: m_fused(q, by_pointers), pd)
                 # GPU time alone, host time aside, the methods in turn
                 ms, errors = interleaved_fwd_bwd_ms(graphed)
                 row.update({k + "_graphed": v for k, v in ms.items()})
@@ -520,9 +522,10 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
                       f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; packed in two launches "
-                      f"{row.get('fused_pack_two_launches_graphed') or 0:.3f}; reads by pointers "
-                      f"{row.get('fused_reads_by_pointers_graphed') or 0:.3f}, p=.05 "
-                      f"{row.get('fused_dropout_reads_by_pointers_graphed') or 0:.3f}) ms", flush=True)
+                      f"{row.get('fused_pack_two_launches_graphed') or 0:.3f}; shrinks on 3 stages "
+                      f"{row.get('fused_shrink_3_stages_graphed') or 0:.3f}; reductions by pointers "
+                      f"{row.get('fused_reduce_by_pointers_graphed') or 0:.3f}, p=.05 "
+                      f"{row.get('fused_dropout_reduce_by_pointers_graphed') or 0:.3f}) ms", flush=True)
 
 
 RAGGED_PACKS = [(16, "16"), (32, "mixed")]
@@ -950,8 +953,8 @@ def section_blocks(res, device):
     once and written once. The reductions reading x or dY through TMA or pointers, with a
     chunk's rank blocks side by side in the grid or far apart (`reduce_*_tma_*`,
     `reduce_*_pointers_*`; `KernelConfig.reduce_tma`, `reduce_rank_fastest`), and the shrinks
-    through TMA or pointers with 3 or 4 pipeline stages (`shrink_*_tma_*`, `shrink_*_pointers_*`;
-    `KernelConfig.shrink_tma`, `shrink_stages`). The forward shrink's and dA's variants run with dropout and again without
+    in pipelines of 3 or 4 stages (`shrink_*_stages*`; `KernelConfig.shrink_stages`,
+    `shrink_stages_no_dropout`). The forward shrink's and dA's variants run with dropout and again without
     (`*_no_dropout`): the mask's draw and unpack change which blocks are fastest. Beside the
     chosen blocks: the forward shrink without dropout (what drawing the mask costs,
     `shrink_S_no_dropout`), dA reading its keep-mask spread and joined
@@ -1048,21 +1051,18 @@ def section_blocks(res, device):
         for name, m in (("dA_spread_mask", meta), ("dA_joined_mask", joined)):
             ms = gpu_ms(lambda: lora_row_reduce(x, s, da, m, out_is_b=False, mask_nibbles=mask))
             row[f"reduce_{name}"] = dict(ms=ms, GBps=x.numel() * x.element_size() / ms / 1e6)
-        # the shrinks' reads, chosen blocks: x's or dY's tiles through TMA or through pointers, in
-        # pipelines of 3 (the default) or 4 stages
+        # the shrinks' pipelines, chosen blocks: 3 stages or 4 (the chosen blocks are sized for
+        # 3, `shrink_blocks`), with dropout and without
         for name, u, pack, m, kw, suffix in (
                 ("S", x, a_pack, meta, dict(apply_scale=False, dropout=True, mask_nibbles=mask), ""),
                 ("S", x, a_pack, no_dropout, dict(apply_scale=False, dropout=False), "_no_dropout"),
                 ("dS", dy, bt_pack, meta, dict(apply_scale=True, dropout=False), "")):
             o = torch.empty_like(s)
-            for tma, stages in itertools.product((True, False), (3, 4)):
-                m_run = dataclasses.replace(m, config=dataclasses.replace(cfg, shrink_tma=tma, shrink_stages=stages))
-                key = f"shrink_{name}_{'tma' if tma else 'pointers'}_{stages}_stages{suffix}"
-                try:
-                    ms = gpu_ms(lambda: lora_shrink(u, pack, o, m_run, **kw))
-                    row[key] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
-                except Exception as e:  # a variant that does not fit in shared memory is recorded
-                    row[key] = f"{type(e).__name__}: {e}"[:200]
+            for stages in (3, 4):
+                c = dataclasses.replace(cfg, shrink_stages=stages, shrink_stages_no_dropout=stages)
+                m_run = dataclasses.replace(m, config=c)
+                ms = gpu_ms(lambda: lora_shrink(u, pack, o, m_run, **kw))
+                row[f"shrink_{name}_{stages}_stages{suffix}"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
         # the reductions' reads, chosen blocks: x's or dY's tiles through TMA or through pointers,
         # a chunk's rank blocks side by side in the grid or far apart (v19: pointers, far apart)
         for name, u, v, out_is_b, kw in (("dB", dy, s, True, {}), ("dA", x, s, False, dict(mask_nibbles=mask))):
@@ -1201,11 +1201,12 @@ def summarize(res):
                 ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False),
                 # A and B^T packed in one launch, against A by torch and B^T apart (v19)
                 ("graphed_one_pack_launch_over_two", "fused", "fused_pack_two_launches", False),
-                # the shrinks and reductions reading through TMA, the reductions' rank blocks side by
-                # side (v20), against through pointers, rank blocks far apart (v19's loads and grid);
-                # without dropout and with
-                ("graphed_reads_tma_over_pointers", "fused", "fused_reads_by_pointers", False),
-                ("graphed_dropout_reads_tma_over_pointers", "fused_dropout", "fused_dropout_reads_by_pointers",
+                # the shrinks without a mask on 4 pipeline stages (v20), against 3
+                ("graphed_shrink_4_stages_over_3", "fused", "fused_shrink_3_stages", False),
+                # the reductions through TMA, rank blocks side by side (v20), against through
+                # pointers, rank blocks far apart (v19's loads and grid); without dropout and with
+                ("graphed_reduce_tma_over_pointers", "fused", "fused_reduce_by_pointers", False),
+                ("graphed_dropout_reduce_tma_over_pointers", "fused_dropout", "fused_dropout_reduce_by_pointers",
                  False)):
             ratios = [r[num + "_graphed"] / r[den + "_graphed"] for r in big
                       if r.get(num + "_graphed") and r.get(den + "_graphed")]

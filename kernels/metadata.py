@@ -61,8 +61,9 @@ class KernelConfig:
     shrink_block_m: int = 64  # rows per shrink program at most (`shrink_blocks` may take fewer); divides block_m
     shrink_block_k: int = 64
     shrink_warps: int = 4
-    shrink_stages: int = 3
-    shrink_tma: bool = True  # x's or dY's tiles through a TMA descriptor where TMA can describe it
+    shrink_stages: int = 3  # pipeline stages of the shrinks, and what `shrink_blocks` sizes their blocks for
+    # ... of a shrink that draws no mask (dS; S where no adapter has dropout)
+    shrink_stages_no_dropout: int = 4
     # row reductions: dA = dS^T dropout(x) (reduce_*) and dB = scale dY^T S (db_*)
     reduce_block_m: int = 64  # rows per step
     reduce_block_n: int = 64

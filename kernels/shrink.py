@@ -20,19 +20,17 @@ from typing import Optional, Sequence
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, keep_nibbles, load_adapter,
                              load_row_block, nibbles_to_mask, store_nibbles)
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, tma_ready
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
 
 
 @triton.jit
 def _shrink_kernel(
     # pointers
     x_ptr,  # [M, K] rows: x (forward) or dY (backward)
-    x_desc,  # TMA descriptor of x in blocks [BLOCK_M, BLOCK_K] (read if X_TMA)
     lora_ptr,  # [R_total, K] packed adapters in x's dtype: A (forward) or B^T (backward); adapter i at row r_offset_i
     out_ptr,  # [M, rank_stride] in x's dtype: S or dS
     mask_ptr,  # uint8 [M, n_groups]: the keep-mask's nibbles, written where dropout applies (S only)
@@ -56,7 +54,6 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,  # rank columns per program; grid axis 2 covers the largest rank
     FIT_RANK_BLOCK: tl.constexpr,  # each adapter's program takes the smallest rank block holding its rank
     BLOCK_K: tl.constexpr,  # reduction step over K
-    X_TMA: tl.constexpr,  # x's tiles through x_desc, else through pointers
 ):
     adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
     row_start += tl.program_id(1) * BLOCK_M  # this program's sub-tile
@@ -72,19 +69,17 @@ def _shrink_kernel(
     for halvings in tl.static_range(RANK_BLOCK_SIZES):
         if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:  # compile-time: smaller blocks do not exist
             if fit == BLOCK_R >> halvings:
-                _shrink_rows(x_ptr, x_desc, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start,
-                             seed, threshold, r_offset, scale, inv_keep, pid_r, K, n_groups, stride_xm, stride_om,
-                             APPLY_SCALE, HAS_DROPOUT, EVEN_K, X_TMA, BLOCK_M, BLOCK_R >> halvings, BLOCK_K)
+                _shrink_rows(x_ptr, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed,
+                             threshold, r_offset, scale, inv_keep, pid_r, K, n_groups, stride_xm, stride_om,
+                             APPLY_SCALE, HAS_DROPOUT, EVEN_K, BLOCK_M, BLOCK_R >> halvings, BLOCK_K)
 
 
 @triton.jit
-def _shrink_rows(x_ptr, x_desc, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed,
-                 threshold, r_offset, scale, inv_keep, pid_r, K, n_groups, stride_xm, stride_om,
-                 APPLY_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, X_TMA: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program's rows and rank columns r0 .. r0 + BLOCK_R of S (or dS). Through TMA, x's
-    rows past the tile (another adapter's) are read too, unmasked: each row of S is its own
-    row of x times A_i, and those rows are never stored."""
+def _shrink_rows(x_ptr, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed, threshold,
+                 r_offset, scale, inv_keep, pid_r, K, n_groups, stride_xm, stride_om, APPLY_SCALE: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """One program's rows and rank columns r0 .. r0 + BLOCK_R of S (or dS)."""
     offs_m = row_start + tl.arange(0, BLOCK_M)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
@@ -96,10 +91,7 @@ def _shrink_rows(x_ptr, x_desc, lora_ptr, out_ptr, mask_ptr, row_start, row_end,
 
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if X_TMA:  # zeros past K
-            xt = x_desc.load([row_start, k0])
-            lt = tl.load(l_ptrs, mask=((k0 + offs_k) < K)[:, None] & r_mask[None, :], other=0.0)
-        elif EVEN_K:
+        if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             lt = tl.load(l_ptrs, mask=r_mask[None, :], other=0.0)
         else:
@@ -146,10 +138,8 @@ def lora_shrink(
     if grid[0] == 0 or grid[2] == 0:
         return out
     K = x.shape[1]
-    x_tma = cfg.shrink_tma and tma_ready(x)
-    x_desc = TensorDescriptor.from_tensor(x, [meta.shrink_block_m, meta.shrink_block_k]) if x_tma else x
     _shrink_kernel[grid](
-        x, x_desc, lora_pack, out, mask_nibbles if has_dropout else out, *meta.args(),
+        x, lora_pack, out, mask_nibbles if has_dropout else out, *meta.args(),
         K, cdiv(K, 4),
         x.stride(0), out.stride(0),
         APPLY_SCALE=apply_scale,
@@ -161,9 +151,8 @@ def lora_shrink(
         BLOCK_R=meta.block_r,
         FIT_RANK_BLOCK=cfg.fit_rank_block,
         BLOCK_K=meta.shrink_block_k,
-        X_TMA=x_tma,
         num_warps=cfg.shrink_warps,
-        num_stages=cfg.shrink_stages,
+        num_stages=cfg.shrink_stages if has_dropout else cfg.shrink_stages_no_dropout,
     )
     return out
 

@@ -67,10 +67,9 @@ CONFIGS = {
     "joined_mask": dataclasses.replace(INTERPRET_CONFIG, spread_mask=False),
     # the fused GEMM adds an unmasked LoRA term before its K loop (the others after it)
     "lora_term_first": dataclasses.replace(INTERPRET_CONFIG, lora_term_last=False),
-    # the shrinks and row reductions read x and dY through pointers, the reductions' rank blocks
-    # far apart in the grid (the others: TMA where the width allows, rank blocks side by side)
-    "reads_by_pointers": dataclasses.replace(INTERPRET_CONFIG, reduce_tma=False, reduce_rank_fastest=False,
-                                              shrink_tma=False),
+    # the row reductions read x and dY through pointers, a chunk's rank blocks far apart in the
+    # grid (the others: TMA where the width allows, rank blocks side by side)
+    "reduce_by_pointers": dataclasses.replace(INTERPRET_CONFIG, reduce_tma=False, reduce_rank_fastest=False),
 }
 
 
@@ -456,7 +455,7 @@ def test_each_kernel_matches_its_reference(config):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the diverged rows' own sums
-@pytest.mark.parametrize("config", ["fused", "reads_by_pointers"])
+@pytest.mark.parametrize("config", ["fused", "reduce_by_pointers"])
 def test_a_diverged_adapter_leaves_its_neighbours_gradients_alone(config):
     # Adapter 1's dY and x rows are non-finite (a diverged trial). Its neighbours' chunks end
     # mid-step, where a reduction's last step reads past them into adapter 1's rows: their

@@ -4,7 +4,8 @@ dB_i = scale_i * dY_i^T @ S_i      ([out, r_i])
 dA_i = dS_i^T @ dropout(x_i)       ([r_i, in]; the mask the forward shrink stored)
 
 Stage 1 (`_row_reduce_kernel`): one program per (chunk, column block, rank block) sums its
-chunk's rows (chunks never span adapters) in fp32. When every adapter fits in one chunk it
+chunk's rows (chunks never span adapters) in fp32: whole steps of rows read through a TMA
+descriptor where TMA can describe x or dY, then the chunk's last rows, masked. When every adapter fits in one chunk it
 writes the final gradient directly; otherwise it writes a partial and stage 2
 (`_chunk_sum_kernel`) adds an adapter's partials in chunk order. Both orders are fixed, so
 the gradients are deterministic (no atomics), and an adapter's chunks start at its own first

@@ -954,8 +954,8 @@ def section_blocks(res, device):
     chunk's rank blocks side by side in the grid or far apart (`reduce_*_tma_*`,
     `reduce_*_pointers_*`; `KernelConfig.reduce_tma`, `reduce_rank_fastest`), and the shrinks
     in pipelines of 3 or 4 stages (`shrink_*_stages*`; `KernelConfig.shrink_stages`,
-    `shrink_stages_no_dropout`). The forward shrink's and dA's variants run with dropout and again without
-    (`*_no_dropout`): the mask's draw and unpack change which blocks are fastest. Beside the
+    `shrink_stages_no_dropout`). The forward shrink's and dA's variants run with dropout and
+    again without (`*_no_dropout`): the mask's draw and unpack change which blocks are fastest. Beside the
     chosen blocks: the forward shrink without dropout (what drawing the mask costs,
     `shrink_S_no_dropout`), dA reading its keep-mask spread and joined
     (`reduce_dA_*_mask`, `KernelConfig.spread_mask`), and, in packs of mixed rank blocks,
@@ -1062,7 +1062,8 @@ def section_blocks(res, device):
                 c = dataclasses.replace(cfg, shrink_stages=stages, shrink_stages_no_dropout=stages)
                 m_run = dataclasses.replace(m, config=c)
                 ms = gpu_ms(lambda: lora_shrink(u, pack, o, m_run, **kw))
-                row[f"shrink_{name}_{stages}_stages{suffix}"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                row[f"shrink_{name}_{stages}_stages{suffix}"] = dict(ms=ms,
+                                                                     GBps=u.numel() * u.element_size() / ms / 1e6)
         # the reductions' reads, chosen blocks: x's or dY's tiles through TMA or through pointers,
         # a chunk's rank blocks side by side in the grid or far apart (v19: pointers, far apart)
         for name, u, v, out_is_b, kw in (("dB", dy, s, True, {}), ("dA", x, s, False, dict(mask_nibbles=mask))):

@@ -5,12 +5,12 @@ dA_i = dS_i^T @ dropout(x_i)       ([r_i, in]; the mask the forward shrink store
 
 Stage 1 (`_row_reduce_kernel`): one program per (chunk, column block, rank block) sums its
 chunk's rows (chunks never span adapters) in fp32: whole steps of rows read through a TMA
-descriptor where TMA can describe x or dY, then the chunk's last rows, masked. When every adapter fits in one chunk it
-writes the final gradient directly; otherwise it writes a partial and stage 2
-(`_chunk_sum_kernel`) adds an adapter's partials in chunk order. Both orders are fixed, so
-the gradients are deterministic (no atomics), and an adapter's chunks start at its own first
-row. The MMAs use the big operand's dtype (bf16 on GPU) with fp32 accumulation; gradients are
-written in the adapters' dtype.
+descriptor where TMA can describe x or dY, then the chunk's last rows, masked. When every
+adapter fits in one chunk it writes the final gradient directly; otherwise it writes a
+partial and stage 2 (`_chunk_sum_kernel`) adds an adapter's partials in chunk order. Both
+orders are fixed, so the gradients are deterministic (no atomics), and an adapter's chunks
+start at its own first row. The MMAs use the big operand's dtype (bf16 on GPU) with fp32
+accumulation; gradients are written in the adapters' dtype.
 """
 
 from __future__ import annotations

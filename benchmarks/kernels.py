@@ -37,7 +37,6 @@ a short table is printed last.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -173,24 +172,6 @@ def pack_in_two_launches(lora_a, lora_b, dtype):
         bt_pack = lora_b[0].new_empty(sum(ranks), lora_b[0].shape[0], dtype=dtype)
         pack_into(bt_pack, bt_pack, [], lora_b)  # B^T only: the A destination is not touched
     return a_pack, bt_pack
-
-
-@contextlib.contextmanager
-def packed_in_two_launches():
-    """The layer with `pack_in_two_launches` as its packing (the Function looks it up per call)."""
-    from lora_sweep.kernels import pack as pack_module
-
-    own = pack_module.pack_adapters
-    pack_module.pack_adapters = pack_in_two_launches
-    try:
-        yield
-    finally:
-        pack_module.pack_adapters = own
-
-
-def m_fused_pack_two_launches(p):
-    with packed_in_two_launches():
-        return m_fused(p)
 
 
 def m_base(p):
@@ -493,16 +474,10 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 # the backward's keep-mask joined from its four bits, as before `spread_mask` (v14)
                 joined = dataclasses.replace(default, spread_mask=False)
                 graphed["fused_dropout_joined_mask"] = (lambda q: m_fused(q, joined), pd)
-                # A packed by torch and B^T by a kernel of its own, as until v20
-                graphed["fused_pack_two_launches"] = (m_fused_pack_two_launches, p)
-                # the shrinks that draw no mask on 3 pipeline stages, as the ones that do (v19)
-                three_stages = dataclasses.replace(default, shrink_stages_no_dropout=default.shrink_stages)
-                graphed["fused_shrink_3_stages"] = (lambda q: m_fused(q, three_stages), p)
-                # the reductions reading x and dY through pointers, a chunk's rank blocks far apart
-                # in the grid: v19's loads and grid
-                by_pointers = dataclasses.replace(default, reduce_tma=False, reduce_rank_fastest=False)
-                graphed["fused_reduce_by_pointers"] = (lambda q: m_fused(q, by_pointers), p)
-                graphed["fused_dropout_reduce_by_pointers"] = (lambda q: m_fused(q, by_pointers), pd)
+                # dA and dB on the backward's one stream, in line with dS and the dX GEMM, as until v21
+                serial = dataclasses.replace(default, overlap_reductions=False)
+                graphed["fused_serial_reductions"] = (lambda q: m_fused(q, serial), p)
+                graphed["fused_dropout_serial_reductions"] = (lambda q: m_fused(q, serial), pd)
                 # GPU time alone, host time aside, the methods in turn
                 ms, errors = interleaved_fwd_bwd_ms(graphed)
                 row.update({k + "_graphed": v for k, v in ms.items()})
@@ -521,11 +496,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_lora_first_graphed') or 0:.3f}; in place "
                       f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
-                      f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; packed in two launches "
-                      f"{row.get('fused_pack_two_launches_graphed') or 0:.3f}; shrinks on 3 stages "
-                      f"{row.get('fused_shrink_3_stages_graphed') or 0:.3f}; reductions by pointers "
-                      f"{row.get('fused_reduce_by_pointers_graphed') or 0:.3f}, p=.05 "
-                      f"{row.get('fused_dropout_reduce_by_pointers_graphed') or 0:.3f}) ms", flush=True)
+                      f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; reductions in line "
+                      f"{row.get('fused_serial_reductions_graphed') or 0:.3f}, p=.05 "
+                      f"{row.get('fused_dropout_serial_reductions_graphed') or 0:.3f}) ms", flush=True)
 
 
 RAGGED_PACKS = [(16, "16"), (32, "mixed")]
@@ -899,8 +872,15 @@ def section_host(res, device):
         dy = torch.randn_like(m_base(p))
 
         calls = 1 if DRY else 20
-        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n,
-                   host_ms_fused=host_enqueue_ms(m_fused, p, dy, params, calls),
+        # beside the adapter gradients on the backward's one stream: what the second stream's
+        # events and stream switches cost the host; in turn, medians of 5
+        serial = dataclasses.replace(meta_mod.config_for(16, not DRY, True), overlap_reductions=False)
+        fused_ms, serial_ms = [], []
+        for _ in range(1 if DRY else 5):
+            fused_ms.append(host_enqueue_ms(m_fused, p, dy, params, calls))
+            serial_ms.append(host_enqueue_ms(lambda q: m_fused(q, serial), p, dy, params, calls))
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, host_ms_fused=statistics.median(fused_ms),
+                   host_ms_fused_serial_reductions=statistics.median(serial_ms),
                    host_ms_base=host_enqueue_ms(m_base, p, dy, params, calls))
         steps = 2 if DRY else 50
         prof = cProfile.Profile()
@@ -916,7 +896,8 @@ def section_host(res, device):
         row["by_self_time"] = sorted(funcs, key=lambda f: -f["self_us_per_step"])[:30]
         row["by_cum_time"] = sorted(funcs, key=lambda f: -f["cum_us_per_step"])[:40]
         out.append(row)
-        print(f"host {in_f}->{out_f} tok={tokens} n={n}: fused {row['host_ms_fused']:.3f} ms/call, "
+        print(f"host {in_f}->{out_f} tok={tokens} n={n}: fused {row['host_ms_fused']:.3f} ms/call "
+              f"(reductions in line {row['host_ms_fused_serial_reductions']:.3f}), "
               f"base {row['host_ms_base']:.3f} ms/call; under cProfile, by cumulative time:", flush=True)
         for f in row["by_cum_time"]:
             print(f"  {f['cum_us_per_step']:9.1f} us cum {f['self_us_per_step']:8.1f} self x{f['calls_per_step']:<5.1f} "
@@ -1200,14 +1181,10 @@ def summarize(res):
                 ("graphed_fused_over_in_place", "fused", "fused_in_place", False),
                 # with dropout, the backward's keep-mask spread, against joined
                 ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False),
-                # A and B^T packed in one launch, against A by torch and B^T apart (v19)
-                ("graphed_one_pack_launch_over_two", "fused", "fused_pack_two_launches", False),
-                # the shrinks without a mask on 4 pipeline stages (v20), against 3
-                ("graphed_shrink_4_stages_over_3", "fused", "fused_shrink_3_stages", False),
-                # the reductions through TMA, rank blocks side by side (v20), against through
-                # pointers, rank blocks far apart (v19's loads and grid); without dropout and with
-                ("graphed_reduce_tma_over_pointers", "fused", "fused_reduce_by_pointers", False),
-                ("graphed_dropout_reduce_tma_over_pointers", "fused_dropout", "fused_dropout_reduce_by_pointers",
+                # dA and dB on a second stream beside dS and the dX GEMM (v21), against in line;
+                # without dropout and with
+                ("graphed_overlap_over_serial_reductions", "fused", "fused_serial_reductions", False),
+                ("graphed_dropout_overlap_over_serial_reductions", "fused_dropout", "fused_dropout_serial_reductions",
                  False)):
             ratios = [r[num + "_graphed"] / r[den + "_graphed"] for r in big
                       if r.get(num + "_graphed") and r.get(den + "_graphed")]

@@ -91,6 +91,9 @@ class KernelConfig:
     one_pass_dy: bool = False
     ds_db_block_n: int = 256  # columns of dY per program
     ds_db_warps: int = 8
+    # On CUDA, the backward's dA (and, in two passes over dY, dB) on a second stream beside
+    # the dS shrink and the dX GEMM, which need neither
+    overlap_reductions: bool = True
 
 
 # Interpreter (CPU) blocks: small, so that tests run many tiles, K steps and chunks.

@@ -17,17 +17,23 @@ compute dtype inside it (`pack.pack_adapters`); the backward writes all dA into 
 dB into another and hands each adapter a view of its slice. Autograd then records one node
 per call and each parameter's gradient accumulation, with no cat or reshape nodes between
 them: host time, which is what bounds a call at a few thousand tokens.
+
+On CUDA the backward queues dA (and dB, where it takes its own pass over dY) on a second
+stream: nothing on the way to dX needs them, and at a few thousand tokens each is a fraction
+of a wave that would otherwise run alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .dropout import empty_mask_nibbles
-from .metadata import KernelConfig, LoRABatchMeta, config_for, tma_ready
+from .metadata import KernelConfig, LoRABatchMeta, config_for, takes_one_pass, tma_ready
 from .reference import Seeds, per_adapter_seeds
 
 
@@ -105,24 +111,61 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         meta = ctx.meta
         dy = dy.contiguous()
         ds = torch.empty_like(s)  # (tokens, rank)
+        wants_dx, wants_adapters = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
+        # dA and dB are off the path to dX: beside it, they run on a second stream
+        # (KernelConfig.overlap_reductions), in the SMs the GEMMs' last waves leave idle
+        overlap = wants_dx and wants_adapters and meta.config.overlap_reductions and dy.is_cuda
+        main = torch.cuda.current_stream(dy.device) if overlap else None
+        side = _side_stream(dy.device) if overlap else None
         adapter_grads = [None] * (len(ctx.needs_input_grad) - 4)
-        if not any(ctx.needs_input_grad[4:]):
-            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
-        else:
+        if wants_adapters:
             # every dB_i [out, r_i] one after another in one flat buffer, every dA_i [r_i, in]
             # stacked in another: each adapter's gradient is a contiguous view
             db = torch.empty(dy.shape[1] * meta.r_total, device=x.device, dtype=ctx.grad_dtype)
             da = torch.empty(meta.r_total, x.shape[1], device=x.device, dtype=ctx.grad_dtype)
+
+        if not wants_adapters:
+            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
+        elif overlap and not takes_one_pass(meta.config, meta.max_rank, meta.block_r):
+            dy_ready = main.record_event()
+            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
+            with _beside(side, dy_ready):  # dB needs only dY and S; queued second, as dA below
+                lora_row_reduce(dy, s, db, meta, out_is_b=True)
+        else:
             lora_ds_and_db(dy, s, bt_pack, ds, db, meta)
+        ds_ready = main.record_event() if overlap else None
+        if wants_adapters and not overlap:
             lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
+
+        dx = None
+        if wants_dx:
+            dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
+        if overlap:  # queued after the dX GEMM, so that its programs take the SMs first
+            with _beside(side, ds_ready):
+                lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
+            main.wait_stream(side)  # before anything reads the gradients or reuses these buffers
+
+        if wants_adapters:
             ranks = [r for r in meta.ranks if r]
             db_blocks = db.split([dy.shape[1] * r for r in ranks])
             adapter_grads = [*da.split(ranks), *(g.view(dy.shape[1], r) for g, r in zip(db_blocks, ranks))]
-
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
         return dx, None, None, None, *adapter_grads
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream of the backward's adapter gradients on `device`, one per process."""
+    return torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def _beside(side: torch.cuda.Stream, after: torch.cuda.Event):
+    """Queue the block's kernels on `side`, to start once `after` is reached. Tensors the
+    block allocates come from `side`'s memory; those it reads must outlive its kernels,
+    which the caller's join (`wait_stream`) before returning ensures."""
+    side.wait_event(after)
+    with torch.cuda.stream(side):
+        yield
 
 
 def triton_multi_lora_linear(

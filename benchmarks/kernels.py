@@ -872,15 +872,8 @@ def section_host(res, device):
         dy = torch.randn_like(m_base(p))
 
         calls = 1 if DRY else 20
-        # beside the adapter gradients on the backward's one stream: what the second stream's
-        # events and stream switches cost the host; in turn, medians of 5
-        serial = dataclasses.replace(meta_mod.config_for(16, not DRY, True), overlap_reductions=False)
-        fused_ms, serial_ms = [], []
-        for _ in range(1 if DRY else 5):
-            fused_ms.append(host_enqueue_ms(m_fused, p, dy, params, calls))
-            serial_ms.append(host_enqueue_ms(lambda q: m_fused(q, serial), p, dy, params, calls))
-        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, host_ms_fused=statistics.median(fused_ms),
-                   host_ms_fused_serial_reductions=statistics.median(serial_ms),
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n,
+                   host_ms_fused=host_enqueue_ms(m_fused, p, dy, params, calls),
                    host_ms_base=host_enqueue_ms(m_base, p, dy, params, calls))
         steps = 2 if DRY else 50
         prof = cProfile.Profile()
@@ -896,8 +889,7 @@ def section_host(res, device):
         row["by_self_time"] = sorted(funcs, key=lambda f: -f["self_us_per_step"])[:30]
         row["by_cum_time"] = sorted(funcs, key=lambda f: -f["cum_us_per_step"])[:40]
         out.append(row)
-        print(f"host {in_f}->{out_f} tok={tokens} n={n}: fused {row['host_ms_fused']:.3f} ms/call "
-              f"(reductions in line {row['host_ms_fused_serial_reductions']:.3f}), "
+        print(f"host {in_f}->{out_f} tok={tokens} n={n}: fused {row['host_ms_fused']:.3f} ms/call, "
               f"base {row['host_ms_base']:.3f} ms/call; under cProfile, by cumulative time:", flush=True)
         for f in row["by_cum_time"]:
             print(f"  {f['cum_us_per_step']:9.1f} us cum {f['self_us_per_step']:8.1f} self x{f['calls_per_step']:<5.1f} "

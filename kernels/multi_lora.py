@@ -18,9 +18,9 @@ dB into another and hands each adapter a view of its slice. Autograd then record
 per call and each parameter's gradient accumulation, with no cat or reshape nodes between
 them: host time, which is what bounds a call at a few thousand tokens.
 
-On CUDA the backward queues dA (and dB, where it takes its own pass over dY) on a second
-stream: nothing on the way to dX needs them, and at a few thousand tokens each is a fraction
-of a wave that would otherwise run alone.
+Captured in a CUDA graph, the backward queues dA (and dB, where it takes its own pass over
+dY) on a second stream: nothing on the way to dX needs them, and at a few thousand tokens
+each is a fraction of a wave that would otherwise run alone.
 """
 
 from __future__ import annotations
@@ -113,8 +113,12 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         ds = torch.empty_like(s)  # (tokens, rank)
         wants_dx, wants_adapters = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
         # dA and dB are off the path to dX: beside it, they run on a second stream
-        # (KernelConfig.overlap_reductions), in the SMs the GEMMs' last waves leave idle
-        overlap = wants_dx and wants_adapters and meta.config.overlap_reductions and dy.is_cuda
+        # (KernelConfig.overlap_reductions), in the SMs the GEMMs' last waves leave idle. Only
+        # while a CUDA graph is captured: the stream's events and switches cost the host about
+        # 0.1 ms a call, more than they save the GPU where a call is launched eagerly at a few
+        # thousand tokens, whose host time bounds it; a graph pays that host time once.
+        overlap = (wants_dx and wants_adapters and meta.config.overlap_reductions and dy.is_cuda
+                   and torch.cuda.is_current_stream_capturing())
         main = torch.cuda.current_stream(dy.device) if overlap else None
         side = _side_stream(dy.device) if overlap else None
         adapter_grads = [None] * (len(ctx.needs_input_grad) - 4)

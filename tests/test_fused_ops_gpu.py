@@ -124,41 +124,13 @@ def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f):
         assert rel_err(got[k], want[k]) < 1e-2, name
 
 
-# ranks within 16: dB comes with dS from one pass over dY and dA alone goes beside dX; larger
-# ranks: dB too, beside the dS shrink
-@pytest.mark.parametrize("ranks", [[16, 8, 16], [16, 64, 128]])
-def test_adapter_gradients_beside_dx_equal_them_in_line(ranks):
-    """dA and dB queued on the backward's second stream (`overlap_reductions`) come out bit for
-    bit as on one stream, and so do Y and dX: the same kernels read the same inputs, only when
-    they run moves. A side-stream kernel that started before its inputs were written, or a
-    gradient read before the side stream finished, would show here as a difference."""
-    from lora_sweep.kernels import metadata, triton_multi_lora_linear
-
-    torch.manual_seed(len(ranks))
-    seg_lens, in_f, out_f = [1500, 1, 2600], 4096, 4096
-    x = torch.randn(sum(seg_lens), in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) / in_f ** 0.5
-    lora_a = [(torch.randn(r, in_f, device="cuda") / in_f ** 0.5).requires_grad_(True) for r in ranks]
-    lora_b = [(torch.randn(out_f, r, device="cuda") / r ** 0.5).requires_grad_(True) for r in ranks]
-    dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.bfloat16)
-    beside = metadata.config_for(max(ranks), True, True)
-    assert beside.overlap_reductions
-    in_line = dataclasses.replace(beside, overlap_reductions=False)
-
-    def run(config):
-        y = triton_multi_lora_linear(x, weight, None, lora_a, lora_b, [2.0, 0.5, 1.0], [0.1, 0.0, 0.05],
-                                     seg_lens, [1, 2, 3], config=config)
-        return [y] + list(torch.autograd.grad(y, [x] + lora_a + lora_b, dy))
-
-    for _ in range(2):  # the second time with every kernel compiled: the launches queue faster
-        got, want = run(beside), run(in_line)
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
-
-
 def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
     """Several CUDA graphs of the packed layer (fused or cuBLAS base, dropout, one or two
     passes over dY), captured one after the other and all kept alive, then replayed in turn:
-    each replay gives bit for bit what the same call computes eagerly. The graphs share the
+    each replay gives bit for bit what the same call computes eagerly. Under capture the
+    adapter gradients run on the backward's second stream (`overlap_reductions`), eagerly in
+    line: a side-stream kernel that started before its inputs were written, or a gradient
+    read before that stream finished, would show as a difference. The graphs share the
     cached routing and seed tables, built before capture; the caller keeps each graph's
     inputs (x, dY) alive, as CUDA graphs require."""
     from lora_sweep.kernels import metadata, triton_multi_lora_linear

@@ -111,49 +111,59 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         meta = ctx.meta
         dy = dy.contiguous()
         ds = torch.empty_like(s)  # (tokens, rank)
-        wants_dx, wants_adapters = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
-        # dA and dB are off the path to dX: beside it, they run on a second stream
-        # (KernelConfig.overlap_reductions), in the SMs the GEMMs' last waves leave idle. Only
-        # while a CUDA graph is captured: the stream's events and switches cost the host about
-        # 0.1 ms a call, more than they save the GPU where a call is launched eagerly at a few
-        # thousand tokens, whose host time bounds it; a graph pays that host time once.
-        overlap = (wants_dx and wants_adapters and meta.config.overlap_reductions and dy.is_cuda
-                   and torch.cuda.is_current_stream_capturing())
-        main = torch.cuda.current_stream(dy.device) if overlap else None
-        side = _side_stream(dy.device) if overlap else None
+        wants_dx = ctx.needs_input_grad[0]
         adapter_grads = [None] * (len(ctx.needs_input_grad) - 4)
-        if wants_adapters:
+        dx = None
+        if not any(ctx.needs_input_grad[4:]):
+            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
+        else:
             # every dB_i [out, r_i] one after another in one flat buffer, every dA_i [r_i, in]
             # stacked in another: each adapter's gradient is a contiguous view
             db = torch.empty(dy.shape[1] * meta.r_total, device=x.device, dtype=ctx.grad_dtype)
             da = torch.empty(meta.r_total, x.shape[1], device=x.device, dtype=ctx.grad_dtype)
-
-        if not wants_adapters:
-            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
-        elif overlap and not takes_one_pass(meta.config, meta.max_rank, meta.block_r):
-            dy_ready = main.record_event()
-            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
-            with _beside(side, dy_ready):  # dB needs only dY and S; queued second, as dA below
-                lora_row_reduce(dy, s, db, meta, out_is_b=True)
-        else:
-            lora_ds_and_db(dy, s, bt_pack, ds, db, meta)
-        ds_ready = main.record_event() if overlap else None
-        if wants_adapters and not overlap:
-            lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
-
-        dx = None
-        if wants_dx:
-            dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
-        if overlap:  # queued after the dX GEMM, so that its programs take the SMs first
-            with _beside(side, ds_ready):
+            # A second stream costs the host about 0.1 ms a call in events and switches: more
+            # than it saves the GPU where a call is launched eagerly at a few thousand tokens,
+            # whose host time bounds it. A CUDA graph pays that once (KERNELS_NOTES v21).
+            if (wants_dx and meta.config.overlap_reductions and dy.is_cuda
+                    and torch.cuda.is_current_stream_capturing()):
+                dx = _dx_with_adapter_grads_beside(x, dy, weight, s, ds, a_pack, bt_pack, mask_nibbles, da, db,
+                                                   meta)
+            else:
+                lora_ds_and_db(dy, s, bt_pack, ds, db, meta)
                 lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
-            main.wait_stream(side)  # before anything reads the gradients or reuses these buffers
-
-        if wants_adapters:
             ranks = [r for r in meta.ranks if r]
             db_blocks = db.split([dy.shape[1] * r for r in ranks])
             adapter_grads = [*da.split(ranks), *(g.view(dy.shape[1], r) for g, r in zip(db_blocks, ranks))]
+
+        if wants_dx and dx is None:  # not already computed beside the adapter gradients
+            dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
         return dx, None, None, None, *adapter_grads
+
+
+def _dx_with_adapter_grads_beside(x, dy, weight, s, ds, a_pack, bt_pack, mask_nibbles, da, db, meta):
+    """The backward with dA and dB on a second stream (`KernelConfig.overlap_reductions`):
+    nothing on the way to dX needs them. dA runs beside the dX GEMM; dB, where it takes a
+    pass over dY of its own (ranks above 16), beside the dS shrink. Each is queued after the
+    kernel it runs beside, so that that kernel's programs take the SMs first and the
+    reduction fills what its last wave leaves idle. Writes dS, dA and dB; returns dX."""
+    from .ds_db import lora_ds_db
+    from .row_reduce import lora_row_reduce
+    from .shrink import lora_shrink
+
+    main, side = torch.cuda.current_stream(dy.device), _side_stream(dy.device)
+    if takes_one_pass(meta.config, meta.max_rank, meta.block_r):
+        lora_ds_db(dy, s, bt_pack, ds, db, meta)
+    else:
+        dy_ready = main.record_event()
+        lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
+        with _beside(side, dy_ready):  # dB needs only dY and S
+            lora_row_reduce(dy, s, db, meta, out_is_b=True)
+    ds_ready = main.record_event()
+    dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
+    with _beside(side, ds_ready):
+        lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
+    main.wait_stream(side)  # before anything reads the gradients or reuses the buffers they read
+    return dx
 
 
 @functools.lru_cache(maxsize=None)

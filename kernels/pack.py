@@ -40,21 +40,22 @@ def _pack_kernel(
     bt_ptr,  # [R_total, N] in the compute dtype: B^T, adapter i from row r_offset_i
     K,  # columns of every A_i (the layer's in features)
     N,  # rows of every B_i (the layer's out features)
+    TABLE_COLS: tl.constexpr,  # the table's width, _TABLE_COLS
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """One tile of one source, BLOCK_R of its ranks by BLOCK_C columns of the packed matrix:
     A[r_offset_i + r, c] = A_i[r, c], or B^T[r_offset_i + r, c] = B_i[c, r]."""
     source = tl.program_id(1)
-    rank = tl.load(table_ptr + source * 4 + 1)
-    is_b = tl.load(table_ptr + source * 4 + 3) != 0
+    rank = tl.load(table_ptr + source * TABLE_COLS + 1)
+    is_b = tl.load(table_ptr + source * TABLE_COLS + 3) != 0
     width = tl.where(is_b, N, K)
     r0 = tl.program_id(2) * BLOCK_R
     c0 = tl.program_id(0) * BLOCK_C
     if r0 >= rank or c0 >= width:  # a block past this source's rank or width
         return
-    src_ptr = tl.load(table_ptr + source * 4).to(tl.pointer_type(like_ptr.dtype.element_ty))
-    r_offset = tl.load(table_ptr + source * 4 + 2)
+    src_ptr = tl.load(table_ptr + source * TABLE_COLS).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    r_offset = tl.load(table_ptr + source * TABLE_COLS + 2)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     offs_c = c0 + tl.arange(0, BLOCK_C)
     mask = (offs_r < rank)[:, None] & (offs_c < width)[None, :]  # [BLOCK_R, BLOCK_C]
@@ -92,7 +93,7 @@ def pack_into(a_pack: torch.Tensor, bt_pack: torch.Tensor, lora_a: Sequence[torc
     n_cols = max(a_pack.shape[1] if lora_a else 0, bt_pack.shape[1] if lora_b else 0)
     grid = (cdiv(n_cols, block), len(sources), cdiv(max(r for _, r, _, _ in rows), block))
     _pack_kernel[grid](table, sources[0], a_pack, bt_pack, a_pack.shape[1], bt_pack.shape[1],
-                       BLOCK_C=block, BLOCK_R=block)
+                       TABLE_COLS=_TABLE_COLS, BLOCK_C=block, BLOCK_R=block)
 
 
 @torch.no_grad()

@@ -915,6 +915,15 @@ if DRY:
     BLOCK_PACKS = [(64, 48, 64, 2, "16"), (64, 48, 64, 4, "mixed")]
 
 
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def blocks_entry(ms: float, streamed_bytes: int) -> dict:
+    """A `blocks` entry: a kernel's time and the GB/s of the bytes it streams once."""
+    return dict(ms=ms, GBps=streamed_bytes / ms / 1e6)
+
+
 def section_blocks(res, device):
     """The backward's kernels and the packing alone, GPU time (`gpu_ms`): the blocks the
     metadata chose beside fixed variants, ms and the GB/s of the big operand streamed (x or dY;
@@ -973,7 +982,7 @@ def section_blocks(res, device):
         for name, fn in (("pack", pack_adapters), ("pack_two_launches", pack_in_two_launches),
                          ("pack_reference", reference_pack_adapters)):
             ms = gpu_ms(lambda: fn(p["lora_a"], p["lora_b"], x.dtype))
-            row[name] = dict(ms=ms, GBps=adapter_bytes / ms / 1e6)
+            row[name] = blocks_entry(ms, adapter_bytes)
         for name, u, pack, kw in (("S", x, a_pack, dict(apply_scale=False, dropout=True, mask_nibbles=mask)),
                                   ("dS", dy, bt_pack, dict(apply_scale=True, dropout=False))):
             for bm, bk in SHRINK_VARIANTS:
@@ -982,19 +991,19 @@ def section_blocks(res, device):
                 m = dataclasses.replace(meta, shrink_block_m=bm, shrink_block_k=bk)
                 o = torch.empty_like(s)
                 ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, **kw))
-                row[f"shrink_{name}_{bm}x{bk}"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                row[f"shrink_{name}_{bm}x{bk}"] = blocks_entry(ms, nbytes(u))
                 if name == "S":  # the same blocks without dropout
                     m = dataclasses.replace(no_dropout, shrink_block_m=bm, shrink_block_k=bk)
                     ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, apply_scale=False, dropout=False))
-                    row[f"shrink_S_{bm}x{bk}_no_dropout"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                    row[f"shrink_S_{bm}x{bk}_no_dropout"] = blocks_entry(ms, nbytes(u))
             if name == "S":  # the chosen blocks without dropout: what drawing the mask costs
                 o = torch.empty_like(s)
                 ms = gpu_ms(lambda: lora_shrink(u, pack, o, no_dropout, apply_scale=False, dropout=False))
-                row["shrink_S_no_dropout"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                row["shrink_S_no_dropout"] = blocks_entry(ms, nbytes(u))
             if fits_differ:  # the chosen blocks, every program on the pack's largest rank block
                 o = torch.empty_like(s)
                 ms = gpu_ms(lambda: lora_shrink(u, pack, o, one_block, **kw))
-                row[f"shrink_{name}_one_rank_block"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                row[f"shrink_{name}_one_rank_block"] = blocks_entry(ms, nbytes(u))
         db = torch.empty(out_f * meta.r_total, device=device)
         for name, u, v, out_is_b, kw in (("dB", dy, s, True, {}), ("dA", x, s, False, dict(mask_nibbles=mask))):
             grad = db if out_is_b else torch.empty(meta.r_total, in_f, device=device)
@@ -1012,18 +1021,18 @@ def section_blocks(res, device):
                 for key, m, kw_run in runs:
                     try:
                         ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, m, out_is_b=out_is_b, **kw_run))
-                        row[key] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                        row[key] = blocks_entry(ms, nbytes(u))
                     except Exception as e:  # a variant that does not compile (shared memory) is recorded
                         row[key] = f"{type(e).__name__}: {e}"[:200]
             if fits_differ:
                 ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, one_block, out_is_b=out_is_b, **kw))
-                row[f"reduce_{name}_one_rank_block"] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                row[f"reduce_{name}_one_rank_block"] = blocks_entry(ms, nbytes(u))
         # dA, the chosen blocks, the keep-mask spread over x's columns and joined from its bits
         joined = dataclasses.replace(meta, config=dataclasses.replace(cfg, spread_mask=False))
         da = torch.empty(meta.r_total, in_f, device=device)
         for name, m in (("dA_spread_mask", meta), ("dA_joined_mask", joined)):
             ms = gpu_ms(lambda: lora_row_reduce(x, s, da, m, out_is_b=False, mask_nibbles=mask))
-            row[f"reduce_{name}"] = dict(ms=ms, GBps=x.numel() * x.element_size() / ms / 1e6)
+            row[f"reduce_{name}"] = blocks_entry(ms, nbytes(x))
         # the shrinks' pipelines, chosen blocks: 3 stages or 4 (the chosen blocks are sized for
         # 3, `shrink_blocks`), with dropout and without
         for name, u, pack, m, kw, suffix in (
@@ -1035,8 +1044,7 @@ def section_blocks(res, device):
                 c = dataclasses.replace(cfg, shrink_stages=stages, shrink_stages_no_dropout=stages)
                 m_run = dataclasses.replace(m, config=c)
                 ms = gpu_ms(lambda: lora_shrink(u, pack, o, m_run, **kw))
-                row[f"shrink_{name}_{stages}_stages{suffix}"] = dict(ms=ms,
-                                                                     GBps=u.numel() * u.element_size() / ms / 1e6)
+                row[f"shrink_{name}_{stages}_stages{suffix}"] = blocks_entry(ms, nbytes(u))
         # the reductions' reads, chosen blocks: x's or dY's tiles through TMA or through pointers,
         # a chunk's rank blocks side by side in the grid or far apart (v19: pointers, far apart)
         for name, u, v, out_is_b, kw in (("dB", dy, s, True, {}), ("dA", x, s, False, dict(mask_nibbles=mask))):
@@ -1048,17 +1056,17 @@ def section_blocks(res, device):
                 for key, m, kw_run in runs:
                     m = dataclasses.replace(m, config=c)
                     ms = gpu_ms(lambda: lora_row_reduce(u, v, grad, m, out_is_b=out_is_b, **kw_run))
-                    row[key] = dict(ms=ms, GBps=u.numel() * u.element_size() / ms / 1e6)
+                    row[key] = blocks_entry(ms, nbytes(u))
         # dS and dB: two passes over dY (what the default ran before one_pass_dy) against one
         two = dataclasses.replace(meta, config=dataclasses.replace(cfg, one_pass_dy=False))
         ds = torch.empty_like(s)
-        dy_bytes = dy.numel() * dy.element_size()
+        dy_bytes = nbytes(dy)
         ms = gpu_ms(lambda: lora_ds_and_db(dy, s, bt_pack, ds, db, two))
-        row["dSdB_two_pass"] = dict(ms=ms, GBps=dy_bytes / ms / 1e6)
+        row["dSdB_two_pass"] = blocks_entry(ms, dy_bytes)
         for bn, warps in ONE_PASS_VARIANTS:
             m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_block_n=bn, ds_db_warps=warps))
             ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
-            row[f"dSdB_one_pass_{bn}n_w{warps}"] = dict(ms=ms, GBps=dy_bytes / ms / 1e6)
+            row[f"dSdB_one_pass_{bn}n_w{warps}"] = blocks_entry(ms, dy_bytes)
         # the reductions' chunks: fixed rows per chunk beside the chosen (`reduce_chunk_rows`)
         row["chosen_chunk_rows"] = meta.chunk_rows
         grad_a = torch.empty(meta.r_total, in_f, device=device)
@@ -1067,14 +1075,14 @@ def section_blocks(res, device):
             m = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"], p["seed"],
                                     in_f, out_f, device, c)
             ms = gpu_ms(lambda: lora_ds_and_db(dy, s, bt_pack, ds, db, m))
-            row[f"chunks_dSdB_{rows}"] = dict(ms=ms, GBps=dy_bytes / ms / 1e6)
+            row[f"chunks_dSdB_{rows}"] = blocks_entry(ms, dy_bytes)
             ms = gpu_ms(lambda: lora_row_reduce(x, s, grad_a, m, out_is_b=False, mask_nibbles=mask))
-            row[f"chunks_dA_{rows}"] = dict(ms=ms, GBps=x.numel() * x.element_size() / ms / 1e6)
+            row[f"chunks_dA_{rows}"] = blocks_entry(ms, nbytes(x))
             if m.max_chunks_per_adapter > 1:  # the partials summed in stage 1's blocks, as before v13
                 m1 = dataclasses.replace(m, config=dataclasses.replace(
                     c, chunk_sum_values=c.reduce_block_n * m.block_r))
                 ms = gpu_ms(lambda: lora_row_reduce(x, s, grad_a, m1, out_is_b=False, mask_nibbles=mask))
-                row[f"chunks_dA_{rows}_stage1_sum_blocks"] = dict(ms=ms, GBps=x.numel() * x.element_size() / ms / 1e6)
+                row[f"chunks_dA_{rows}_stage1_sum_blocks"] = blocks_entry(ms, nbytes(x))
         out.append(row)
         timed = {k: v for k, v in row.items() if isinstance(v, dict)}
         fastest = {}  # per kernel ("shrink_S", "reduce_dB", "dSdB", ...): its fastest variant

@@ -37,6 +37,7 @@ a short table is printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -829,33 +830,90 @@ def launch_host_us(calls=5000):
     stream = driver.active.get_current_stream(device)
     binder = _empty.device_caches[device][-1]
 
-    def per_call_us(fn):
-        for _ in range(100):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        us = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
-        return us
-
-    out = {"jit": per_call_us(lambda: _empty[(4,)](*args, BM=64, BN=64, X=True)),
-           "binder": per_call_us(lambda: binder(*args, BM=64, BN=64, X=True))}
+    out = {"jit": per_call_us(lambda: _empty[(4,)](*args, BM=64, BN=64, X=True), calls),
+           "binder": per_call_us(lambda: binder(*args, BM=64, BN=64, X=True), calls)}
     try:
         out["compiled_run"] = per_call_us(lambda: compiled.run(4, 1, 1, stream, compiled.function,
                                                                compiled.packed_metadata, None, None, None,
-                                                               *args, 64, 64, True))
+                                                               *args, 64, 64, True), calls)
     except TypeError:
         out["compiled_run"] = None
     return out
 
 
+class _LeafProbe(torch.autograd.Function):
+    """y = x, with `leaves` as inputs that each get a gradient: a view of one buffer, as the
+    fused op hands each adapter's A and B theirs (`autograd_leaf_us`)."""
+
+    @staticmethod
+    def forward(ctx, x, *leaves):
+        ctx.sizes = [t.numel() for t in leaves]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (dy, *dy.new_empty(sum(ctx.sizes)).split(ctx.sizes))
+
+
+def autograd_leaf_us(device, counts=(0, 8, 32, 64), calls=300):
+    """Host µs of one fwd + `torch.autograd.grad` through a Function of `k` leaf inputs (64
+    values each), for each k of `counts`, and the slope per leaf: what autograd alone charges
+    for each adapter tensor of a call (the fused op has two per adapter)."""
+    x = torch.randn(64, device=device, requires_grad=True)
+    dy = torch.ones(64, device=device)
+    out = {}
+    for k in counts:
+        leaves = [torch.randn(64, device=device, requires_grad=True) for _ in range(k)]
+        out[str(k)] = per_call_us(lambda: torch.autograd.grad(_LeafProbe.apply(x, *leaves), [x, *leaves], dy),
+                                  calls)
+    out["per_leaf"] = (out[str(counts[-1])] - out[str(counts[0])]) / (counts[-1] - counts[0])
+    return out
+
+
+def per_call_us(fn, calls):
+    """Host µs per call of `fn`, the GPU drained before and after."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize() if not DRY else None
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize() if not DRY else None
+    return us
+
+
+@contextlib.contextmanager
+def launches_stubbed():
+    """The fused op with its kernel launches (and their wrappers' Python) replaced by no-ops:
+    what is left is the op's own Python, its allocations and autograd. A timing tool only:
+    the outputs are garbage."""
+    from lora_sweep.kernels import ds_db, lora_gemm, pack, row_reduce, shrink
+
+    def nothing(*args, **kwargs):
+        return None
+
+    stubs = [(pack, "pack_into", nothing), (shrink, "lora_shrink", nothing), (ds_db, "lora_ds_and_db", nothing),
+             (ds_db, "lora_ds_db", nothing), (row_reduce, "lora_row_reduce", nothing),
+             (lora_gemm, "lora_gemm", lambda a, w, bias, s, lora_pack, out, *args, **kwargs: out)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in stubs]
+    try:
+        for module, name, stub in stubs:
+            setattr(module, name, stub)
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
 def section_host(res, device):
-    """Host time of one fused fwd+bwd by function (cProfile over 50 calls), for a pack of 4 and
-    one of 32 adapters at 2048 tokens, where the op is host-bound; the frozen base's own host
-    time beside it. cProfile slows Python down, so the per-call totals are timed without it.
-    First, what one Triton launch costs the host (`launch_host_us`)."""
+    """Host time of one fused fwd+bwd, for a pack of 4 and one of 32 adapters at 2048 tokens,
+    where the op is host-bound; the frozen base's own host time beside it. Taken apart three
+    ways: with the kernel launches stubbed out (`launches_stubbed`), with the backward run on
+    the calling thread (`grad_fn.apply`) instead of autograd's device thread, and by function
+    under cProfile (over 50 calls; cProfile slows Python down, so the totals are timed
+    without it). First, what one Triton launch costs the host (`launch_host_us`) and what
+    autograd charges per leaf input (`autograd_leaf_us`)."""
     import cProfile
     import pstats
 
@@ -863,6 +921,9 @@ def section_host(res, device):
         res["launch_host_us"] = launch_host_us()
         print("host time of one launch of an empty Triton kernel, us: " +
               ", ".join(f"{k} {v:.1f}" for k, v in res["launch_host_us"].items() if v is not None), flush=True)
+    res["autograd_leaf_us"] = autograd_leaf_us(device, calls=2 if DRY else 300)
+    print("host time of a fwd + autograd.grad through a Function of k leaves, us: " +
+          ", ".join(f"{k} {v:.1f}" for k, v in res["autograd_leaf_us"].items()), flush=True)
     out = []
     for in_f, out_f, tokens, n in ((4096, 4096, 2048, 4), (4096, 14336, 2048, 32)):
         if DRY:
@@ -875,6 +936,15 @@ def section_host(res, device):
         row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n,
                    host_ms_fused=host_enqueue_ms(m_fused, p, dy, params, calls),
                    host_ms_base=host_enqueue_ms(m_base, p, dy, params, calls))
+        with launches_stubbed():
+            row["host_ms_fused_no_launches"] = host_enqueue_ms(m_fused, p, dy, params, calls)
+        def backward_on_caller():
+            # the same backward on this thread: no hand-over to autograd's device thread and
+            # back, no gradients into the leaves (y stays alive: its node's saved tensors go with it)
+            y = m_fused(p)
+            y.grad_fn.apply(dy)
+
+        row["host_ms_fused_backward_on_caller"] = per_call_us(backward_on_caller, calls) / 1e3
         steps = 2 if DRY else 50
         prof = cProfile.Profile()
         prof.enable()
@@ -889,7 +959,9 @@ def section_host(res, device):
         row["by_self_time"] = sorted(funcs, key=lambda f: -f["self_us_per_step"])[:30]
         row["by_cum_time"] = sorted(funcs, key=lambda f: -f["cum_us_per_step"])[:40]
         out.append(row)
-        print(f"host {in_f}->{out_f} tok={tokens} n={n}: fused {row['host_ms_fused']:.3f} ms/call, "
+        print(f"host {in_f}->{out_f} tok={tokens} n={n}: fused {row['host_ms_fused']:.3f} ms/call "
+              f"({row['host_ms_fused_no_launches']:.3f} with the launches stubbed, "
+              f"{row['host_ms_fused_backward_on_caller']:.3f} with the backward on this thread), "
               f"base {row['host_ms_base']:.3f} ms/call; under cProfile, by cumulative time:", flush=True)
         for f in row["by_cum_time"]:
             print(f"  {f['cum_us_per_step']:9.1f} us cum {f['self_us_per_step']:8.1f} self x{f['calls_per_step']:<5.1f} "

@@ -113,11 +113,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-@functools.lru_cache(maxsize=8)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device`; the interpreter (CPU) counts as 4, so that tests
-    see launches of a few programs, each looping over several tiles. Cached: torch's query
-    costs the host about 6 us, and the forward GEMM asks once a call."""
+    see launches of a few programs, each looping over several tiles."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count

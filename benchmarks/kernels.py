@@ -250,15 +250,7 @@ def fwd_bwd_step(fn, p, dy, params):
 def host_enqueue_ms(fn, p, dy, params, calls):
     """Host time per fwd+bwd of `fn` (no sync inside: enqueue only), the GPU drained before
     and after; if it exceeds the GPU time, the op is host-bound."""
-    for _ in range(3):
-        fwd_bwd_step(fn, p, dy, params)
-    torch.cuda.synchronize() if not DRY else None
-    t = time.perf_counter()
-    for _ in range(calls):
-        fwd_bwd_step(fn, p, dy, params)
-    ms = (time.perf_counter() - t) * 1e3 / calls
-    torch.cuda.synchronize() if not DRY else None
-    return ms
+    return per_call_us(lambda: fwd_bwd_step(fn, p, dy, params), calls) / 1e3
 
 
 def gpu_ms(fn, calls=10):
@@ -830,12 +822,12 @@ def launch_host_us(calls=5000):
     stream = driver.active.get_current_stream(device)
     binder = _empty.device_caches[device][-1]
 
-    out = {"jit": per_call_us(lambda: _empty[(4,)](*args, BM=64, BN=64, X=True), calls),
-           "binder": per_call_us(lambda: binder(*args, BM=64, BN=64, X=True), calls)}
+    out = {"jit": per_call_us(lambda: _empty[(4,)](*args, BM=64, BN=64, X=True), calls, warmup=100),
+           "binder": per_call_us(lambda: binder(*args, BM=64, BN=64, X=True), calls, warmup=100)}
     try:
         out["compiled_run"] = per_call_us(lambda: compiled.run(4, 1, 1, stream, compiled.function,
                                                                compiled.packed_metadata, None, None, None,
-                                                               *args, 64, 64, True), calls)
+                                                               *args, 64, 64, True), calls, warmup=100)
     except TypeError:
         out["compiled_run"] = None
     return out
@@ -865,14 +857,14 @@ def autograd_leaf_us(device, counts=(0, 8, 32, 64), calls=300):
     for k in counts:
         leaves = [torch.randn(64, device=device, requires_grad=True) for _ in range(k)]
         out[str(k)] = per_call_us(lambda: torch.autograd.grad(_LeafProbe.apply(x, *leaves), [x, *leaves], dy),
-                                  calls)
+                                  calls, warmup=10)
     out["per_leaf"] = (out[str(counts[-1])] - out[str(counts[0])]) / (counts[-1] - counts[0])
     return out
 
 
-def per_call_us(fn, calls):
+def per_call_us(fn, calls, warmup=3):
     """Host µs per call of `fn`, the GPU drained before and after."""
-    for _ in range(10):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize() if not DRY else None
     start = time.perf_counter()
@@ -944,7 +936,7 @@ def section_host(res, device):
             y = m_fused(p)
             y.grad_fn.apply(dy)
 
-        row["host_ms_fused_backward_on_caller"] = per_call_us(backward_on_caller, calls) / 1e3
+        row["host_ms_fused_backward_on_caller"] = per_call_us(backward_on_caller, calls, warmup=10) / 1e3
         steps = 2 if DRY else 50
         prof = cProfile.Profile()
         prof.enable()

@@ -247,6 +247,19 @@ def fwd_bwd_step(fn, p, dy, params):
         t.grad = None
 
 
+def per_call_us(fn, calls, warmup=3):
+    """Host µs per call of `fn`, the GPU drained before and after."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize() if not DRY else None
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize() if not DRY else None
+    return us
+
+
 def host_enqueue_ms(fn, p, dy, params, calls):
     """Host time per fwd+bwd of `fn` (no sync inside: enqueue only), the GPU drained before
     and after; if it exceeds the GPU time, the op is host-bound."""
@@ -860,19 +873,6 @@ def autograd_leaf_us(device, counts=(0, 8, 32, 64), calls=300):
                                   calls, warmup=10)
     out["per_leaf"] = (out[str(counts[-1])] - out[str(counts[0])]) / (counts[-1] - counts[0])
     return out
-
-
-def per_call_us(fn, calls, warmup=3):
-    """Host µs per call of `fn`, the GPU drained before and after."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize() if not DRY else None
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize() if not DRY else None
-    return us
 
 
 @contextlib.contextmanager

@@ -1359,7 +1359,7 @@ def main():
                 section_ceil(res, device)
             elif sec == "main":
                 tokens = [int(t) for t in args.tokens.split(",")] if args.tokens and not DRY else TOKENS
-                packs = [(int(n), kind) for n, kind in (p.split("x") for p in args.packs.split(","))] \
+                packs = [(int(n), kind) for n, kind in (p.split("x", 1) for p in args.packs.split(","))] \
                     if args.packs and not DRY else PACKS
                 section_main(res, device, deadline, packs=packs, tokens_list=tokens)
             elif sec == "profile":

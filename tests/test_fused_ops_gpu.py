@@ -199,7 +199,7 @@ def test_shrink_split_over_k_sums_every_split_once_and_in_order():
     dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.bfloat16)
     for u, pack, dropout in ((x, a_pack, True), (dy, bt_pack, False)):
         def shrink(k_splits):
-            out = torch.empty(u.shape[0], meta.rank_stride, device="cuda", dtype=torch.bfloat16)
+            out = torch.zeros(u.shape[0], meta.rank_stride, device="cuda", dtype=torch.bfloat16)  # past r_i: 0
             mask = empty_mask_nibbles(u.shape[0], u.shape[1], u.device)
             lora_shrink(u, pack, out, meta, apply_scale=not dropout, dropout=dropout, mask_nibbles=mask,
                         k_splits=k_splits)

@@ -477,10 +477,6 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     lora_first = dataclasses.replace(default, lora_term_last=False)
                     graphed["fused_lora_first"] = (lambda q: m_fused(q, lora_first), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
-                if max(ranks) > 16:  # the shrinks' rows halved down to 16, K whole, as until v23
-                    rows_halved = dataclasses.replace(default, shrink_split_k=False)
-                    graphed["fused_shrink_rows_halved"] = (lambda q: m_fused(q, rows_halved), p)
-                    graphed["fused_dropout_shrink_rows_halved"] = (lambda q: m_fused(q, rows_halved), pd)
                 # the backward's keep-mask joined from its four bits, as before `spread_mask` (v14)
                 joined = dataclasses.replace(default, spread_mask=False)
                 graphed["fused_dropout_joined_mask"] = (lambda q: m_fused(q, joined), pd)
@@ -503,9 +499,7 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_two_pass_graphed') or 0:.3f}; one rank block "
                       f"{row.get('fused_one_rank_block_graphed') or 0:.3f}; whole chunks "
                       f"{row.get('fused_whole_chunks_graphed') or 0:.3f}; LoRA term first "
-                      f"{row.get('fused_lora_first_graphed') or 0:.3f}; shrink rows halved "
-                      f"{row.get('fused_shrink_rows_halved_graphed') or 0:.3f}, p=.05 "
-                      f"{row.get('fused_dropout_shrink_rows_halved_graphed') or 0:.3f}; in place "
+                      f"{row.get('fused_lora_first_graphed') or 0:.3f}; in place "
                       f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
                       f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; reductions in line "
@@ -1247,11 +1241,6 @@ def summarize(res):
                 ("graphed_chunks_fill_sms_over_whole_chunks", "fused", "fused_whole_chunks", False),
                 # the fused GEMMs' unmasked LoRA term after their K loops, against before
                 ("graphed_lora_last_over_lora_first", "fused", "fused_lora_first", False),
-                # where the shrinks have few tiles, K split over programs against rows halved (v23);
-                # without dropout and with
-                ("graphed_split_k_over_rows_halved", "fused", "fused_shrink_rows_halved", False),
-                ("graphed_dropout_split_k_over_rows_halved", "fused_dropout", "fused_dropout_shrink_rows_halved",
-                 False),
                 # the TMA GEMMs with the LoRA term fused, against cuBLAS plus the in-place add
                 ("graphed_fused_over_in_place", "fused", "fused_in_place", False),
                 # with dropout, the backward's keep-mask spread, against joined

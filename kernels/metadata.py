@@ -65,11 +65,6 @@ class KernelConfig:
     # pipeline stages of a shrink that draws no mask (dS; S where no adapter has dropout): 10%
     # faster than 3 at 16384 tokens, the same at 2048; with the mask, 4 gained nothing (v20)
     shrink_stages_no_dropout: int = 4
-    # where the layout has few tiles, a shrink whose rank block is wider than its rows splits K
-    # over programs instead of halving its rows further (`shrink_blocks`, `shrink_k_splits`):
-    # 16-row programs of a rank-64 adapter read four bytes of it from L2 per byte of x
-    shrink_split_k: bool = True
-    shrink_min_k_steps: int = 4  # K steps of one split at least
     # row reductions: dA = dS^T dropout(x) (reduce_*) and dB = scale dY^T S (db_*)
     reduce_block_m: int = 64  # rows per step
     reduce_block_n: int = 64
@@ -107,7 +102,7 @@ INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, ge
                                 gemm_stages=1, group_m=2, add_block_n=32, shrink_block_m=16, shrink_block_k=32,
                                 reduce_block_m=16, reduce_block_n=32, reduce_max_block_r=32, db_block_m=16,
                                 db_block_n=16, db_max_block_r=16, chunk_rows=32, chunk_sum_values=256,
-                                one_pass_dy=True, ds_db_block_n=16, shrink_min_k_steps=1)
+                                one_pass_dy=True, ds_db_block_n=16)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -156,36 +151,13 @@ def shrink_blocks(n_tiles: int, n_rank_blocks: int, block_r: int, config: Kernel
     fit in `stage_bytes` (`shrink_stage_bytes`): each program still has as many bytes in
     flight per step. Measured on an H100 (KERNELS_NOTES v10): at 2048 tokens, 4 adapters of
     rank 16, the forward shrink took 0.036 ms against 0.112 with 64-row programs.
-
-    Every program reads its adapter's whole [block_r, K] block as well as its rows of x, so
-    rows stop halving at the rank block (`config.shrink_split_k`): at 16 rows a rank-64
-    program reads four times more adapter than x, all from L2 (v23). Such launches split K
-    over programs instead (`shrink_k_splits`).
     """
     bm, bk = config.shrink_block_m, config.shrink_block_k
-    while (bm > 16 and (not config.shrink_split_k or bm > block_r)
-           and n_tiles * (config.block_m // bm) * n_rank_blocks < n_sms):
+    while bm > 16 and n_tiles * (config.block_m // bm) * n_rank_blocks < n_sms:
         bm //= 2
         if (bm + block_r) * (2 * bk) * 2 * config.shrink_stages <= stage_bytes:
             bk *= 2
     return bm, bk
-
-
-def shrink_k_splits(programs: int, k: int, block_k: int, config: KernelConfig, n_sms: int) -> int:
-    """How many programs share each of a shrink's output blocks, each over its own range of
-    the `k` columns, for a launch of `programs` output blocks in steps of `block_k`.
-
-    Splits double while the launch, doubled, still fits one program per SM and each split
-    keeps `config.shrink_min_k_steps` steps, so a launch that already fills the GPU (any pack
-    at 16384 tokens; rank 16 at 2048, whose rows halve instead) is not split. The last
-    program of a block to finish adds the splits' fp32 partials in split order, so the result
-    does not depend on which one that is."""
-    if not config.shrink_split_k:
-        return 1
-    splits = 1
-    while 2 * programs * splits <= n_sms and cdiv(k, block_k) >= 2 * splits * config.shrink_min_k_steps:
-        splits *= 2
-    return splits
 
 
 def reduce_chunk_rows(seg_lens: Sequence[int], has_lora: Sequence[bool], programs_per_chunk: int,

@@ -11,15 +11,10 @@ Backward, dS = scale_i * dY @ B_i ([tokens, rank]). Both read the big operand (x
 once when the pack's largest rank fits one rank block (<= 128); the MMAs use the big
 operand's dtype (bf16 on GPU) with fp32 accumulation; S / dS are stored in that dtype too,
 since every MMA that reads them takes that dtype anyway.
-
-Where the layout has few tiles, the programs of one output block may split K
-(`metadata.shrink_k_splits`): each writes an fp32 partial, and the last of them to finish,
-counted by an integer atomic, adds the partials up in split order and stores the block.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
@@ -29,7 +24,7 @@ import triton.language as tl
 from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, keep_nibbles, load_adapter,
                              load_row_block, nibbles_to_mask, store_nibbles)
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, shrink_k_splits, sm_count
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
 
 
 @triton.jit
@@ -38,17 +33,13 @@ def _shrink_kernel(
     x_ptr,  # [M, K] rows: x (forward) or dY (backward)
     lora_ptr,  # [R_total, K] packed adapters in x's dtype: A (forward) or B^T (backward); adapter i at row r_offset_i
     out_ptr,  # [M, rank_stride] in x's dtype: S or dS
-    part_ptr,  # fp32 [SPLIT_K, M, stride_om]: the splits' partials (read if SPLIT_K > 1)
-    arrived_ptr,  # int32 [output blocks], zeros: how many splits of each block have finished
     mask_ptr,  # uint8 [M, n_groups]: the keep-mask's nibbles, written where dropout applies (S only)
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
     adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
     seeds_ptr,  # int64 [n_adapters]: this layer's dropout seeds
     # sizes
-    M,
     K,
-    k_per_split,  # columns of K per split, a multiple of BLOCK_K
     n_groups,
     # strides
     stride_xm,
@@ -63,14 +54,10 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,  # rank columns per program; grid axis 2 covers the largest rank
     FIT_RANK_BLOCK: tl.constexpr,  # each adapter's program takes the smallest rank block holding its rank
     BLOCK_K: tl.constexpr,  # reduction step over K
-    SPLIT_K: tl.constexpr,  # programs per output block, each over k_per_split columns of K
 ):
     adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
-    sub, split = tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K
-    row_start += sub * BLOCK_M  # this program's sub-tile
+    row_start += tl.program_id(1) * BLOCK_M  # this program's sub-tile
     pid_r = tl.program_id(2)
-    # the output block's index among the launch's, for the splits' arrival count
-    block = (tl.program_id(0) * (tl.num_programs(1) // SPLIT_K) + sub) * tl.num_programs(2) + pid_r
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     r0 = pid_r * BLOCK_R
@@ -82,32 +69,28 @@ def _shrink_kernel(
     for halvings in tl.static_range(RANK_BLOCK_SIZES):
         if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:  # compile-time: smaller blocks do not exist
             if fit == BLOCK_R >> halvings:
-                _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, arrived_ptr + block, mask_ptr, row_start, row_end,
-                             r0, rank, seg_start, seed, threshold, r_offset, scale, inv_keep, pid_r, split, M, K,
-                             k_per_split, n_groups, stride_xm, stride_om, APPLY_SCALE, HAS_DROPOUT, EVEN_K, BLOCK_M,
-                             BLOCK_R >> halvings, BLOCK_K, SPLIT_K)
+                _shrink_rows(x_ptr, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed,
+                             threshold, r_offset, scale, inv_keep, pid_r, K, n_groups, stride_xm, stride_om,
+                             APPLY_SCALE, HAS_DROPOUT, EVEN_K, BLOCK_M, BLOCK_R >> halvings, BLOCK_K)
 
 
 @triton.jit
-def _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, arrived_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start,
-                 seed, threshold, r_offset, scale, inv_keep, pid_r, split, M, K, k_per_split, n_groups, stride_xm,
-                 stride_om, APPLY_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """One program's rows and rank columns r0 .. r0 + BLOCK_R of S (or dS), over its split's
-    columns of K."""
+def _shrink_rows(x_ptr, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed, threshold,
+                 r_offset, scale, inv_keep, pid_r, K, n_groups, stride_xm, stride_om, APPLY_SCALE: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """One program's rows and rank columns r0 .. r0 + BLOCK_R of S (or dS)."""
     offs_m = row_start + tl.arange(0, BLOCK_M)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
-    k_start = split * k_per_split
     m_mask = offs_m < row_end
     r_mask = offs_r < rank
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
-    # (k, r) tile of the adapter's rows
-    l_ptrs = lora_ptr + (r_offset + offs_r)[None, :] * K + (k_start + offs_k)[:, None]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    l_ptrs = lora_ptr + (r_offset + offs_r)[None, :] * K + offs_k[:, None]  # (k, r) tile of the adapter's rows
     seg_rows = (offs_m - seg_start).to(tl.int64)  # rows within the adapter's segment: dropout counters
 
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             lt = tl.load(l_ptrs, mask=r_mask[None, :], other=0.0)
@@ -129,19 +112,8 @@ def _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, arrived_ptr, mask_ptr, row_
         acc = acc * inv_keep  # 1 / (1 - p); 1 for p == 0
     if APPLY_SCALE:
         acc = acc * scale
-    out_mask = m_mask[:, None] & r_mask[None, :]
-    rows_cols = offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :]
-    if SPLIT_K > 1:
-        tl.store(part_ptr + split * M * stride_om + rows_cols, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the count says so
-        if tl.atomic_add(arrived_ptr, 1, sem="acq_rel") == SPLIT_K - 1:  # the block's last split
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for s in range(0, SPLIT_K):  # split order: the same sum whichever split is last
-                acc += tl.load(part_ptr + s * M * stride_om + rows_cols, mask=out_mask, other=0.0,
-                               cache_modifier=".cg")  # from L2: other SMs wrote them
-            tl.store(out_ptr + rows_cols, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(out_ptr + rows_cols, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
 
 
 def lora_shrink(
@@ -152,34 +124,23 @@ def lora_shrink(
     apply_scale: bool,
     dropout: bool,
     mask_nibbles: Optional[torch.Tensor] = None,  # uint8 [M, ceil(K / 4)] (`empty_mask_nibbles`): the mask kept
-    k_splits: Optional[int] = None,  # programs per output block over K; None: `shrink_k_splits`
 ) -> torch.Tensor:
     """Launch the shrink over every tile of `meta`; rows of adapters without LoRA are left unwritten.
     With `dropout`, the rows of adapters with p > 0 also get their keep-mask in `mask_nibbles`."""
     assert x.is_contiguous() and lora_pack.is_contiguous() and out.shape == (x.shape[0], meta.rank_stride)
-    assert out.stride(1) == 1
     assert lora_pack.dtype == x.dtype and lora_pack.shape[1] == x.shape[1]
     has_dropout = dropout and meta.has_dropout
     if has_dropout:
         assert mask_nibbles is not None and mask_nibbles.shape == (x.shape[0], cdiv(x.shape[1], 4))
     cfg = meta.config
     split_m = cfg.block_m // meta.shrink_block_m  # smaller row blocks: more programs in flight
-    blocks = (meta.n_tiles, split_m, cdiv(meta.max_rank, meta.block_r))
-    if blocks[0] == 0 or blocks[2] == 0:
+    grid = (meta.n_tiles, split_m, cdiv(meta.max_rank, meta.block_r))
+    if grid[0] == 0 or grid[2] == 0:
         return out
-    M, K = x.shape
-    if k_splits is None:
-        k_splits = shrink_k_splits(math.prod(blocks), K, meta.shrink_block_k, cfg, sm_count(x.device))
-    k_per_split = cdiv(cdiv(K, k_splits), meta.shrink_block_k) * meta.shrink_block_k
-    k_splits = cdiv(K, k_per_split)  # no split without columns
-    if k_splits > 1:
-        part = torch.empty(k_splits, M, out.stride(0), device=x.device, dtype=torch.float32)  # out's row stride
-        arrived = torch.zeros(math.prod(blocks), device=x.device, dtype=torch.int32)
-    else:
-        part = arrived = out  # not read
-    _shrink_kernel[(blocks[0], blocks[1] * k_splits, blocks[2])](
-        x, lora_pack, out, part, arrived, mask_nibbles if has_dropout else out, *meta.args(),
-        M, K, k_per_split, cdiv(K, 4),
+    K = x.shape[1]
+    _shrink_kernel[grid](
+        x, lora_pack, out, mask_nibbles if has_dropout else out, *meta.args(),
+        K, cdiv(K, 4),
         x.stride(0), out.stride(0),
         APPLY_SCALE=apply_scale,
         HAS_DROPOUT=has_dropout,
@@ -190,7 +151,6 @@ def lora_shrink(
         BLOCK_R=meta.block_r,
         FIT_RANK_BLOCK=cfg.fit_rank_block,
         BLOCK_K=meta.shrink_block_k,
-        SPLIT_K=k_splits,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.shrink_stages if has_dropout else cfg.shrink_stages_no_dropout,
     )

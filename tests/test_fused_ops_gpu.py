@@ -175,38 +175,3 @@ def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
             graph.replay()
             torch.cuda.synchronize()
             assert all(torch.equal(g, w) for g, w in zip(got, want)), name
-
-
-def test_shrink_split_over_k_sums_every_split_once_and_in_order():
-    """The shrink with K split over programs (`shrink_k_splits`): the last program of each
-    output block to finish, counted by an integer atomic, adds the splits' fp32 partials.
-    Its result equals the whole-K shrink's to bf16 rounding and repeats bit for bit over
-    calls: a block summed before all its partials were written, or twice, would not."""
-    from lora_sweep.kernels import metadata
-    from lora_sweep.kernels.dropout import empty_mask_nibbles
-    from lora_sweep.kernels.pack import pack_adapters
-    from lora_sweep.kernels.shrink import lora_shrink
-
-    torch.manual_seed(1)
-    seg_lens, ranks, in_f, out_f = [512, 512, 1000, 24], [64, 64, 128, 32], 4096, 14336
-    a = [torch.randn(r, in_f, device="cuda") / in_f ** 0.5 for r in ranks]
-    b = [torch.randn(out_f, r, device="cuda") / r ** 0.5 for r in ranks]
-    config = metadata.config_for(max(ranks), True, True)
-    meta = metadata.LoRABatchMeta.build(seg_lens, a, b, [2.0] * 4, [0.1] * 4, [1, 2, 3, 4], in_f, out_f,
-                                        torch.device("cuda"), config)
-    a_pack, bt_pack = pack_adapters(a, b, torch.bfloat16)
-    x = torch.randn(sum(seg_lens), in_f, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.bfloat16)
-    for u, pack, dropout in ((x, a_pack, True), (dy, bt_pack, False)):
-        def shrink(k_splits):
-            out = torch.zeros(u.shape[0], meta.rank_stride, device="cuda", dtype=torch.bfloat16)  # past r_i: 0
-            mask = empty_mask_nibbles(u.shape[0], u.shape[1], u.device)
-            lora_shrink(u, pack, out, meta, apply_scale=not dropout, dropout=dropout, mask_nibbles=mask,
-                        k_splits=k_splits)
-            return out
-
-        whole = shrink(1).double()
-        for k_splits in (2, 4, 8):
-            first = shrink(k_splits)
-            assert rel_err(first, whole) < 1e-2, k_splits
-            assert all(torch.equal(shrink(k_splits), first) for _ in range(20)), k_splits

@@ -38,7 +38,6 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     config_for,
     reduce_chunk_rows,
     shrink_blocks,
-    shrink_k_splits,
 )
 from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters  # noqa: E402
 from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
@@ -244,68 +243,19 @@ def test_widths_tma_cannot_read_fall_back_to_the_in_place_add():
 def test_shrink_programs_shrink_where_the_layout_has_few_tiles():
     cfg = config_for(16, True, True)  # 128-row tiles, 64-row shrink programs, K step 64
     h100 = 232448 * 2 // 3  # two thirds of an H100's shared memory per program
-    # 2048 tokens, 4 adapters r16 (16 tiles) on 132 SMs: 16-row programs, K step 256, K whole
+    # 2048 tokens, 4 adapters r16 (16 tiles) on 132 SMs: 16-row programs, K step 256
     assert shrink_blocks(16, 1, 16, cfg, 132, h100) == (16, 256)
-    assert shrink_k_splits(16 * 8, 4096, 256, cfg, 132) == 1
     # 16384 tokens: 128 tiles already give 256 programs of 64 rows
     assert shrink_blocks(128, 1, 16, cfg, 132, h100) == (64, 64)
-    assert shrink_k_splits(128 * 2, 4096, 64, cfg, 132) == 1
-    # rank blocks wider than 16: rows halve down to the rank block, then K splits
-    cfg64 = config_for(64, True, True)
-    assert shrink_blocks(16, 1, 64, cfg64, 132, h100) == (64, 64)
-    assert shrink_k_splits(16 * 2, 4096, 64, cfg64, 132) == 4  # 128 programs
-    assert shrink_k_splits(16 * 2, 512, 64, cfg64, 132) == 2  # each split keeps 4 K steps
-    assert shrink_blocks(16, 1, 32, config_for(32, True, True), 132, h100) == (32, 128)
-    # without splits (v10's rule), rows halve to 16 and the K step grows while the buffers fit
-    cfg128 = dataclasses.replace(config_for(128, True, True), shrink_split_k=False)
+    # rank blocks of 128 columns: the K step stops growing where the buffers would not fit
+    cfg128 = config_for(128, True, True)
     for stage_bytes in (h100, 96 * 1024):
         bm, bk = shrink_blocks(16, 1, 128, cfg128, 132, stage_bytes)
         assert bm == 16 and (bm + 128) * bk * 2 * cfg128.shrink_stages <= stage_bytes
     assert shrink_blocks(16, 1, 128, cfg128, 132, h100) == (16, 128)
-    assert shrink_k_splits(16 * 8, 4096, 128, cfg128, 132) == 1
-    case = random_case(2, 5, max_rows=24, ranks=(1, 3, 8, 16))
+    case = random_case(2, 5, max_rows=24)
     meta = _meta(case, CONFIGS["split_chunks"])  # 2 tiles at most, 4 "SMs" on the interpreter
     assert (meta.shrink_block_m, meta.shrink_block_k) == (16, 2 * CONFIGS["split_chunks"].shrink_block_k)
-
-
-@pytest.mark.parametrize("dropout", [True, False])
-def test_shrink_split_over_k_equals_the_whole_k(dropout):
-    """Programs that split K write fp32 partials; the last of a block to finish adds them in
-    split order: the same S (or dS) as whole-K programs, bit for bit from run to run, and the
-    same dropout mask (each split draws and stores its own columns)."""
-    case = random_case(5, 40, in_f=200, out_f=136, ranks=(3, 17, 40))
-    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
-    x = x.detach()
-    meta = _meta(case, CONFIGS["fused"])
-    a_pack, bt_pack = pack_adapters(*_adapters_with_rows(lora_a, lora_b, meta), x.dtype)
-    rows = torch.cat([torch.full((n,), r > 0) for n, r in zip(seg_lens, meta.ranks)])
-    dropped = torch.cat([torch.full((n,), r > 0 and p > 0) for n, r, p in zip(seg_lens, meta.ranks, dropout_p)])
-    assert dropped.any() and not rows.all()  # some rows draw a mask, some have no LoRA
-    dy = torch.randn(x.shape[0], weight.shape[0])
-
-    def shrink(u, pack, k_splits):
-        out = torch.zeros(u.shape[0], meta.rank_stride)
-        mask = empty_mask_nibbles(u.shape[0], u.shape[1], u.device)
-        lora_shrink(u, pack, out, meta, apply_scale=not dropout, dropout=dropout, mask_nibbles=mask,
-                    k_splits=k_splits)
-        return out[rows], mask[dropped]
-
-    u, pack = (x, a_pack) if dropout else (dy, bt_pack)
-    whole, whole_mask = shrink(u, pack, 1)
-    for k_splits in (2, 3, 7):  # 7: one K step of 32 columns each (fewer for dY's 136), the last one short
-        got, mask = shrink(u, pack, k_splits)
-        assert_close(got, whole, what=f"{k_splits} splits")
-        assert torch.equal(got, shrink(u, pack, k_splits)[0])
-        assert not dropout or torch.equal(mask, whole_mask)
-
-
-def test_layouts_of_few_tiles_split_the_shrink_over_k():
-    # one or two tiles on the interpreter's 4 "SMs": the shrinks split K (`shrink_k_splits`), and
-    # ranks above 16 take two passes over dY, so the dS shrink splits too
-    case = random_case(2, 3, in_f=160, out_f=200, ranks=(17, 33))
-    meta = _meta(case, CONFIGS["fused"])
-    assert meta.n_tiles <= 2 and shrink_k_splits(meta.n_tiles, 160, meta.shrink_block_k, meta.config, 4) > 1
-    check_against_reference(case, CONFIGS["fused"])
 
 
 def test_reduction_chunks_shrink_until_every_sm_has_a_program():

@@ -18,6 +18,9 @@ which is where `config_for` turns it on (`KernelConfig.one_pass_dy`; KERNELS_NOT
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, ContextManager
+
 import torch
 import triton
 import triton.language as tl
@@ -172,12 +175,15 @@ def lora_ds_and_db(
     ds: torch.Tensor,
     db: torch.Tensor,
     meta: LoRABatchMeta,
+    db_pass: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> None:
     """dS and every adapter's dB (arguments as `lora_ds_db`): by the one pass where the config
     takes it (`KernelConfig.one_pass_dy`) and every rank fits one rank block, else by the dS
-    shrink and the dB row reduction."""
+    shrink and the dB row reduction. The dB reduction of two passes is launched inside
+    `db_pass()` (the backward's second stream, under a CUDA graph)."""
     if takes_one_pass(meta.config, meta.max_rank, meta.block_r):
         lora_ds_db(dy, s, bt_pack, ds, db, meta)
     else:
         lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
-        lora_row_reduce(dy, s, db, meta, out_is_b=True)
+        with db_pass():  # queued after the shrink, which needs none of it
+            lora_row_reduce(dy, s, db, meta, out_is_b=True)

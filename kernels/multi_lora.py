@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .dropout import empty_mask_nibbles
-from .metadata import KernelConfig, LoRABatchMeta, config_for, takes_one_pass, tma_ready
+from .metadata import KernelConfig, LoRABatchMeta, config_for, tma_ready
 from .reference import Seeds, per_adapter_seeds
 
 
@@ -146,18 +146,13 @@ def _dx_with_adapter_grads_beside(x, dy, weight, s, ds, a_pack, bt_pack, mask_ni
     pass over dY of its own (ranks above 16), beside the dS shrink. Each is queued after the
     kernel it runs beside, so that that kernel's programs take the SMs first and the
     reduction fills what its last wave leaves idle. Writes dS, dA and dB; returns dX."""
-    from .ds_db import lora_ds_db
+    from .ds_db import lora_ds_and_db
     from .row_reduce import lora_row_reduce
-    from .shrink import lora_shrink
 
     main, side = torch.cuda.current_stream(dy.device), _side_stream(dy.device)
-    if takes_one_pass(meta.config, meta.max_rank, meta.block_r):
-        lora_ds_db(dy, s, bt_pack, ds, db, meta)
-    else:
-        dy_ready = main.record_event()
-        lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
-        with _beside(side, dy_ready):  # dB needs only dY and S
-            lora_row_reduce(dy, s, db, meta, out_is_b=True)
+    dy_ready = main.record_event()
+    # dB needs only dY and S: where it takes its own pass over dY, it goes beside the dS shrink
+    lora_ds_and_db(dy, s, bt_pack, ds, db, meta, db_pass=lambda: _beside(side, dy_ready))
     ds_ready = main.record_event()
     dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
     with _beside(side, ds_ready):

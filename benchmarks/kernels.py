@@ -622,18 +622,37 @@ def section_lora(res, device):
     res["lora_only"] = out_rows
 
 
-def section_gemm(res, device):
+# Variants of the fused GEMM's blocks and schedule that the `gemm` section times beside the
+# default (`tma_with_lora`): KernelConfig changes by name.
+GEMM_VARIANTS = {
+    # the default again, in a closure of its own: the spread between two identical kernels
+    "default_again": {},
+    "tma_store": dict(gemm_tma_store=True),
+    "stages4": dict(gemm_stages=4),
+    "bn128_w8_s4": dict(gemm_block_n=128, gemm_stages=4),
+    "bn128_w4_s4": dict(gemm_block_n=128, gemm_warps=4, gemm_stages=4),
+    "persistent_dx": dict(gemm_persistent_dx=True),
+    "ws_all": dict(gemm_persistent_dx=True, gemm_ws_min_n=0),
+    "ws_all_tma_store": dict(gemm_persistent_dx=True, gemm_ws_min_n=0, gemm_tma_store=True),
+}
+
+
+def section_gemm(res, device, tokens_list=TOKENS, variant_names=None, rounds=4):
     """One base GEMM with its LoRA term (4 adapters r16), forward (Y) and backward (dX, with the
     keep-mask of dropout 0.05, and without) apart, timed in turn in CUDA graphs
     (`interleaved_ms`): cuBLAS alone (the floor), the TMA kernel as a plain GEMM (no adapter),
     the TMA kernel with the LoRA term in its accumulator as the default places it, the same
-    with an unmasked term before the K loop (`lora_term_last=False`), and cuBLAS plus the
-    in-place LoRA add."""
+    with an unmasked term before the K loop (`lora_term_last=False`), cuBLAS plus the
+    in-place LoRA add, and the default with each of `GEMM_VARIANTS`' blocks and schedules."""
     from lora_sweep.kernels.lora_gemm import lora_gemm
     from lora_sweep.kernels.metadata import LoRABatchMeta
 
+    variants = (("tma_gemm_only", 0, True, {}), ("tma_with_lora", 16, True, {}),
+                ("tma_with_lora_first", 16, True, dict(lora_term_last=False)), ("cublas_plus_add", 16, False, {}),
+                *((name, 16, True, changes) for name, changes in GEMM_VARIANTS.items()
+                  if variant_names is None or name in variant_names))
     out_rows = []
-    for tokens in TOKENS[::-1]:
+    for tokens in tokens_list[::-1]:
         for in_f, out_f in SHAPES:
             for direction, forward, dropout in (("Y", True, 0.0), ("dX", False, 0.05), ("dX p=0", False, 0.0)):
                 n_dim, k_dim = (out_f, in_f) if forward else (in_f, out_f)
@@ -644,17 +663,17 @@ def section_gemm(res, device):
                 cublas = (lambda: a @ w.t()) if forward else (lambda: a @ w)
                 seg_lens = [tokens // 4] * 4
                 mask = torch.randint(0, 16, (tokens, -(-n_dim // 4)), generator=g, dtype=torch.uint8).to(device)
-                fns, outs = {"cublas": cublas}, {}
-                for name, rank, fused, changes in (("tma_gemm_only", 0, True, {}), ("tma_with_lora", 16, True, {}),
-                                                   ("tma_with_lora_first", 16, True, dict(lora_term_last=False)),
-                                                   ("cublas_plus_add", 16, False, {})):
+                fns, outs, lora_inputs = {"cublas": cublas}, {}, {}
+                for name, rank, fused, changes in variants:
                     lora_a = [torch.randn(rank, in_f, device=device) if rank else None for _ in seg_lens]
                     lora_b = [torch.randn(out_f, rank, device=device) if rank else None for _ in seg_lens]
                     cfg = dataclasses.replace(meta_mod.config_for(16, not DRY, fused), **changes)
                     meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, [2.0] * 4, [dropout] * 4, [1, 2, 3, 4],
                                                in_f, out_f, device, cfg)
-                    s = torch.randn(tokens, meta.rank_stride, generator=g).to(device, dtype)
-                    pack = torch.randn(max(meta.r_total, 1), n_dim, generator=g).to(device, dtype)
+                    if rank not in lora_inputs:  # S and the packed adapters, the same for every variant
+                        lora_inputs[rank] = (torch.randn(tokens, meta.rank_stride, generator=g).to(device, dtype),
+                                             torch.randn(max(meta.r_total, 1), n_dim, generator=g).to(device, dtype))
+                    s, pack = lora_inputs[rank]
                     out = torch.empty(tokens, n_dim, device=device, dtype=dtype)
 
                     def run(fused=fused, meta=meta, s=s, pack=pack, out=out):
@@ -665,7 +684,10 @@ def section_gemm(res, device):
                 row = dict(tokens=tokens, in_f=in_f, out_f=out_f, direction=direction)
                 fns["tma_gemm_only"]()  # as a plain GEMM it must agree with cuBLAS
                 row["tma_gemm_only_rel_err"] = rel_err(outs["tma_gemm_only"], cublas())
-                ms, errors = interleaved_ms(fns)
+                ms, errors = interleaved_ms(fns, rounds)
+                # every variant sums the same products in the same K order as the default
+                row.update({name + "_diff_vs_default": rel_err(outs[name], outs["tma_with_lora"])
+                            for name in GEMM_VARIANTS if ms.get(name) is not None})
                 row.update({k + "_ms": v for k, v in ms.items()})
                 row.update({k + "_error": e for k, e in errors.items()})
                 out_rows.append(row)
@@ -1279,6 +1301,14 @@ def summarize(res):
             f"{r['in_f']}->{r['out_f']} tok={r['tokens']} n={r['adapters']} r={r['rank']}":
                 dict(back_to_back=r["fused_sustained_ms"] / r["base_sustained_ms"],
                      one_at_a_time=r["fused_spaced_ms"] / r["base_spaced_ms"]) for r in res["power"]}
+    if res.get("gemm"):  # each fused GEMM variant against the default, and the default against cuBLAS
+        rows = res["gemm"]
+        s["gemm_default_over_cublas"] = dict(**spread([r["tma_with_lora_ms"] / r["cublas_ms"] for r in rows
+                                                       if r.get("tma_with_lora_ms")]), of=len(rows))
+        s["gemm_variant_over_default"] = {
+            name: dict(**spread(ratios), of=len(ratios)) for name in GEMM_VARIANTS
+            if (ratios := [r[name + "_ms"] / r["tma_with_lora_ms"] for r in rows
+                           if r.get(name + "_ms") and r.get("tma_with_lora_ms")])}
     if res.get("ragged"):
         rows = [r for r in res["ragged"] if r.get("fused_graphed") and r.get("fused_in_place_graphed")]
         if rows:
@@ -1320,9 +1350,13 @@ def main():
     ap.add_argument("--out", default="kernels.json")
     ap.add_argument("--sections", default="check,ceil,main,lora,tune")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new benchmark rows after this")
-    ap.add_argument("--tokens", default=None, help="main: comma-separated token counts (default: 2048,16384)")
+    ap.add_argument("--tokens", default=None,
+                    help="main and gemm: comma-separated token counts (default: 2048,16384)")
     ap.add_argument("--packs", default=None,
                     help="main: comma-separated packs as adapters x rank, e.g. 4x64,32xmixed (default: all of PACKS)")
+    ap.add_argument("--gemm-variants", default=None,
+                    help="gemm: comma-separated names of GEMM_VARIANTS to time (default: all)")
+    ap.add_argument("--rounds", type=int, default=4, help="gemm: rounds of the methods timed in turn")
     ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET=1: checks the script only")
     args = ap.parse_args()
     device = torch.device("cpu" if DRY else "cuda")
@@ -1358,7 +1392,9 @@ def main():
             elif sec == "power":
                 section_power(res, device)
             elif sec == "gemm":
-                section_gemm(res, device)
+                section_gemm(res, device, [int(t) for t in args.tokens.split(",")] if args.tokens and not DRY
+                             else TOKENS, args.gemm_variants.split(",") if args.gemm_variants else None,
+                             args.rounds)
             elif sec == "lora":
                 section_lora(res, device)
             elif sec == "ragged":

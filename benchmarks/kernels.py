@@ -476,6 +476,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 if default.lora_term_last:  # the LoRA term before the K loops (v15's)
                     lora_first = dataclasses.replace(default, lora_term_last=False)
                     graphed["fused_lora_first"] = (lambda q: m_fused(q, lora_first), p)
+                if default.gemm_persistent_dx:  # the dX GEMM one program per tile, as until v24
+                    per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
+                    graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
                 # the backward's keep-mask joined from its four bits, as before `spread_mask` (v14)
                 joined = dataclasses.replace(default, spread_mask=False)
@@ -499,7 +502,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_two_pass_graphed') or 0:.3f}; one rank block "
                       f"{row.get('fused_one_rank_block_graphed') or 0:.3f}; whole chunks "
                       f"{row.get('fused_whole_chunks_graphed') or 0:.3f}; LoRA term first "
-                      f"{row.get('fused_lora_first_graphed') or 0:.3f}; in place "
+                      f"{row.get('fused_lora_first_graphed') or 0:.3f}; dX per tile "
+                      f"{row.get('fused_per_tile_dx_graphed') or 0:.3f}; in place "
                       f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
                       f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; reductions in line "
@@ -627,13 +631,10 @@ def section_lora(res, device):
 GEMM_VARIANTS = {
     # the default again, in a closure of its own: the spread between two identical kernels
     "default_again": {},
-    "tma_store": dict(gemm_tma_store=True),
     "stages4": dict(gemm_stages=4),
     "bn128_w8_s4": dict(gemm_block_n=128, gemm_stages=4),
     "bn128_w4_s4": dict(gemm_block_n=128, gemm_warps=4, gemm_stages=4),
-    "persistent_dx": dict(gemm_persistent_dx=True),
-    "ws_all": dict(gemm_persistent_dx=True, gemm_ws_min_n=0),
-    "ws_all_tma_store": dict(gemm_persistent_dx=True, gemm_ws_min_n=0, gemm_tma_store=True),
+    "per_tile_dx": dict(gemm_persistent_dx=False),  # dX one program per tile, as until v24
 }
 
 
@@ -1263,6 +1264,8 @@ def summarize(res):
                 ("graphed_chunks_fill_sms_over_whole_chunks", "fused", "fused_whole_chunks", False),
                 # the fused GEMMs' unmasked LoRA term after their K loops, against before
                 ("graphed_lora_last_over_lora_first", "fused", "fused_lora_first", False),
+                # the dX GEMM persistent (v24), against one program per tile
+                ("graphed_persistent_dx_over_per_tile_dx", "fused", "fused_per_tile_dx", False),
                 # the TMA GEMMs with the LoRA term fused, against cuBLAS plus the in-place add
                 ("graphed_fused_over_in_place", "fused", "fused_in_place", False),
                 # with dropout, the backward's keep-mask spread, against joined

@@ -47,7 +47,6 @@ def _lora_gemm_kernel(
     s_ptr,  # [M, rank_stride] in a's dtype: S (forward) or dS (backward)
     lora_ptr,  # [R_total, N] packed adapters in a's dtype: B^T (forward) or A (backward); adapter i at row r_offset_i
     out_ptr,  # [M, N], written
-    out_desc,  # TMA descriptor of out in blocks [BLOCK_M, BLOCK_N // 2] (read if TMA_STORE)
     mask_ptr,  # uint8 [M, n_groups]: the forward's keep-mask nibbles (read if OUT_DROPOUT)
     block_tiles_ptr,  # int64 [n_blocks + 1]: row block b holds tiles block_tiles[b] .. block_tiles[b + 1]
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
@@ -76,7 +75,6 @@ def _lora_gemm_kernel(
     K_STAGES: tl.constexpr,  # software-pipeline depth of the K loop
     WARP_SPECIALIZE: tl.constexpr,  # split the K loop's warps into loaders and MMA issuers
     LORA_LAST: tl.constexpr,  # the LoRA term after the K loop, its first operands loaded before it (no mask)
-    TMA_STORE: tl.constexpr,  # write the tile through out_desc, in two column halves
 ):
     """The fused path: out = the row block's LoRA terms + the base GEMM (+ bias), written once."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -118,15 +116,8 @@ def _lora_gemm_kernel(
                                      N, stride_sm, FORWARD, BLOCK_R)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if TMA_STORE:
-            # halves of 128 x 128: half the shared memory of the whole tile, which the K loop's
-            # stages need; TMA clips rows past M and columns past N
-            halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            out_desc.store([row_start, n0], halves[0].to(out_desc.dtype))
-            out_desc.store([row_start, n0 + BLOCK_N // 2], halves[1].to(out_desc.dtype))
-        else:
-            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -264,13 +255,14 @@ def _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_
 
 
 def _schedule(forward: bool, n: int, n_pairs: int, cfg, device: torch.device) -> tuple[int, bool]:
-    """(grid size, warp specialisation) of the fused base GEMM, measured per direction on an
-    H200 (benchmarks/KERNELS_NOTES.md, v8): the forward ran best persistent (one program per
-    SM looping over its tiles, so one tile's stores overlap the next one's loads), warp-
-    specialised when the output is wide (N >= 8192); the backward best one program per tile."""
+    """(grid size, warp specialisation) of the fused base GEMM: persistent (one program per SM
+    looping over its tiles, so that one tile's stores overlap the next one's loads), warp-
+    specialised where the output is wide (N >= 8192). Measured on an H200: the forward ran
+    best so (benchmarks/KERNELS_NOTES.md, v8); dX too since v24, 1.3% faster than one program
+    per tile (median of 12 dX GEMMs, 0.97-1.00x; `cfg.gemm_persistent_dx=False` runs that)."""
     if not forward and not cfg.gemm_persistent_dx:
         return n_pairs, False
-    return min(n_pairs, sm_count(device)), n >= cfg.gemm_ws_min_n
+    return min(n_pairs, sm_count(device)), n >= 8192
 
 
 def lora_gemm(
@@ -312,14 +304,11 @@ def lora_gemm(
     w_desc = TensorDescriptor.from_tensor(
         w, [cfg.gemm_block_n, cfg.gemm_block_k] if forward else [cfg.gemm_block_k, cfg.gemm_block_n])
     grid, warp_specialize = _schedule(forward, N, n_pairs, cfg, a.device)
-    tma_store = cfg.gemm_tma_store and tma_ready(out)
-    out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.gemm_block_n // 2]) if tma_store else out
-    _lora_gemm_kernel[(grid,)](a_desc, w_desc, bias if bias is not None else out, s, lora_pack, out, out_desc, mask,
+    _lora_gemm_kernel[(grid,)](a_desc, w_desc, bias if bias is not None else out, s, lora_pack, out, mask,
                                *meta.block_args(), M, N, K, meta.n_blocks, cdiv(N, 4), grid, s.stride(0),
                                out.stride(0),
                                HAS_BIAS=bias is not None, BLOCK_K=cfg.gemm_block_k, K_STAGES=cfg.gemm_stages,
                                WARP_SPECIALIZE=warp_specialize, LORA_LAST=cfg.lora_term_last and not out_dropout,
-                               TMA_STORE=tma_store,
                                num_warps=cfg.gemm_warps, **common)
     return out
 

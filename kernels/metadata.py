@@ -54,14 +54,8 @@ class KernelConfig:
     fuse_dx: bool = True  # with fused_base, the backward's dX GEMM too (else only the forward's Y)
     # with fused_base and no dropout mask on the term, the LoRA term after the K loop, not before it
     lora_term_last: bool = True
-    # the fused GEMM's schedule (`lora_gemm._schedule`): the forward persistent, warp-specialised
-    # where the output has at least `gemm_ws_min_n` columns; dX one program per tile unless
-    # `gemm_persistent_dx` (then persistent, warp-specialised from the same width)
-    gemm_ws_min_n: int = 8192
-    gemm_persistent_dx: bool = False
-    # the fused GEMM writes its tile through a TMA descriptor, in two column halves, where the
-    # output allows one (`tma_ready`), instead of masked pointer stores
-    gemm_tma_store: bool = False
+    # the fused GEMM's dX persistent like its Y (`lora_gemm._schedule`), not one program per tile
+    gemm_persistent_dx: bool = True
     # the LoRA term added in place to a cuBLAS product
     add_block_n: int = 128
     add_warps: int = 4

@@ -70,9 +70,8 @@ CONFIGS = {
     # the row reductions read x and dY through pointers, a chunk's rank blocks far apart in the
     # grid (the others: TMA where the width allows, rank blocks side by side)
     "reduce_by_pointers": dataclasses.replace(INTERPRET_CONFIG, reduce_tma=False, reduce_rank_fastest=False),
-    # the fused GEMM writes through a TMA descriptor in column halves (56 columns: the last
-    # half is clipped), and dX runs persistent and warp-specialised
-    "tma_store": dataclasses.replace(INTERPRET_CONFIG, gemm_tma_store=True, gemm_persistent_dx=True, gemm_ws_min_n=0),
+    # the fused GEMM's dX runs one program per tile (the others: persistent, as its Y)
+    "per_tile_dx": dataclasses.replace(INTERPRET_CONFIG, gemm_persistent_dx=False),
 }
 
 
@@ -401,7 +400,7 @@ def test_packed_adapters_equal_the_reference(dtype):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("config", ["fused", "split_chunks", "lora_term_first", "tma_store"])
+@pytest.mark.parametrize("config", ["fused", "split_chunks", "lora_term_first", "per_tile_dx"])
 def test_each_kernel_matches_its_reference(config):
     case = random_case(6, 21)
     x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case

@@ -3,9 +3,9 @@ keep-mask and its stored copy. Not kernels themselves; each kernel file imports 
 needs.
 
 The keep-mask is drawn once, by the forward shrink, which also stores it: one uint8 nibble
-per group of four columns ([tokens, ceil(in / 4)], bit w = column 4 g + w: one half of each
-of a Philox draw's four words, so storing and loading need no shuffles). Philox costs more
-than reading x itself, and the backward needs the mask twice (dA and dX).
+per group of four columns ([tokens, ceil(in / 4)], bit w = column 4 g + w, the layout Philox
+draws them in, so storing and loading need no shuffles). Philox costs more than reading x
+itself, and the backward needs the mask twice (dA and dX).
 
 The per-adapter table is laid out by `metadata.LoRABatchMeta` (column indices there).
 """
@@ -63,27 +63,18 @@ def load_adapter(adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS:
 @triton.jit
 def keep_nibbles(seed, rows, col0, n_cols, threshold, BLOCK_COLS: tl.constexpr):
     """The dropout keep-mask for columns col0 .. col0 + BLOCK_COLS of the int64 segment rows
-    `rows` (col0 and BLOCK_COLS multiples of 8), one int32 [rows.shape[0], BLOCK_COLS // 4]
+    `rows` (col0 and BLOCK_COLS multiples of 4), one int32 [rows.shape[0], BLOCK_COLS // 4]
     nibble per group of four columns: bit w of group g keeps column 4 g + w.
 
-    Word `col % 4` of Philox (`tl.randint4x`) at counter `row * ceil(n_cols / 8) + col // 8`,
-    its low 16 bits for the even groups and its high 16 bits for the odd ones, kept iff
-    >= `threshold`. `dropout.dropout_keep_mask` reproduces it bit for bit in torch.
+    Word `col % 4` of Philox (`tl.randint4x`) at counter `row * ceil(n_cols / 4) + col // 4`,
+    folded to 31 bits as `tl.rand` folds it, kept iff >= `threshold`.
+    `dropout.dropout_keep_mask` reproduces it bit for bit in torch.
     """
-    draws = (n_cols + 7) // 8
-    counters = rows[:, None] * draws + (col0 // 8 + tl.arange(0, BLOCK_COLS // 8))[None, :]
+    groups = (n_cols + 3) // 4
+    counters = rows[:, None] * groups + (col0 // 4 + tl.arange(0, BLOCK_COLS // 4))[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, counters)
-    low = _half_nibble(r0, r1, r2, r3, 0, threshold)
-    high = _half_nibble(r0, r1, r2, r3, 16, threshold)
-    # [rows, draws, 2] with [..., h] = half h, so the row-major reshape puts group 2 d + h in place
-    return tl.reshape(tl.join(low, high), (rows.shape[0], BLOCK_COLS // 4))
-
-
-@triton.jit
-def _half_nibble(r0, r1, r2, r3, shift: tl.constexpr, threshold):
-    """Bit w set where the 16-bit half at `shift` of word w is >= threshold."""
-    return ((_half(r0, shift) >= threshold).to(tl.int32) | ((_half(r1, shift) >= threshold).to(tl.int32) << 1)
-            | ((_half(r2, shift) >= threshold).to(tl.int32) << 2) | ((_half(r3, shift) >= threshold).to(tl.int32) << 3))
+    return ((_fold31(r0) >= threshold).to(tl.int32) | ((_fold31(r1) >= threshold).to(tl.int32) << 1)
+            | ((_fold31(r2) >= threshold).to(tl.int32) << 2) | ((_fold31(r3) >= threshold).to(tl.int32) << 3))
 
 
 @triton.jit
@@ -136,6 +127,8 @@ def load_keep_mask(nibbles_ptr, rows, row_mask, col0, n_groups, BLOCK_COLS: tl.c
 
 
 @triton.jit
-def _half(r, shift: tl.constexpr):
-    """The 16 bits of the uint32 Philox word `r` from bit `shift`, as a non-negative int32."""
-    return ((r >> shift) & 0xFFFF).to(tl.int32, bitcast=True)
+def _fold31(r):
+    r = r.to(tl.int32, bitcast=True)
+    return tl.where(r < 0, ~r, r)
+
+

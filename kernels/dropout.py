@@ -1,22 +1,19 @@
 """The dropout mask of the LoRA branch, drawn from a seed by a counter-based generator.
 
-The mask comes from Philox4x32-10 exactly as Triton's `tl.randint4x(seed, offset)` computes
-it, here in plain torch integer ops: the forward shrink draws it in registers (and stores
-it as nibbles for the backward, `_triton_common`), and this module reproduces it bit for
-bit on any device.
+The mask is Philox4x32-10 exactly as Triton's `tl.randint(seed, offset)` computes it, here
+in plain torch integer ops: the forward shrink draws it in registers (and stores it as
+nibbles for the backward, `_triton_common`), and this module reproduces it bit for bit on
+any device.
 
-One Philox call gives four 32-bit words, and each word serves two columns, one per 16-bit
-half, so one call serves eight neighbouring columns: element (row, col) of an adapter's
-segment takes word `col % 4` of the draw at counter `row * ceil(cols / 8) + col // 8`, its
-low half for `col % 8 < 4` and its high half otherwise, where `row` counts from the start
-of that adapter's own segment. A mask is therefore a pure function of the adapter's seed
-and shape, whatever else is packed around it, and costs an eighth of a Philox per element.
-Philox is most of what drawing a mask costs (KERNELS_NOTES v15, v18); until v24 each
-element took a whole 32-bit word, a quarter of a call.
+One Philox call gives four 32-bit words (`tl.randint4x`), so one call serves four
+neighbouring columns: element (row, col) of an adapter's segment takes word `col % 4` of the
+draw at counter `row * ceil(cols / 4) + col // 4`, where `row` counts from the start of
+that adapter's own segment. A mask is therefore a pure function of the adapter's seed and
+shape, whatever else is packed around it, and costs a quarter of a Philox per element.
 
-The decision is made on integers, never on floats: an element is kept when its 16-bit
-draw is >= `keep_threshold(p)`, which makes P(keep) = 1 - p up to 2**-17 and leaves no
-rounding for devices to disagree on.
+The decision is made on integers, never on floats: the 32-bit draw is folded to 31 bits as
+`tl.rand` does (`u < 0 ? ~u : u`) and an element is kept when it is >= `keep_threshold(p)`,
+which makes P(keep) = 1 - p up to 2**-31 and leaves no rounding for devices to disagree on.
 """
 
 from __future__ import annotations
@@ -40,12 +37,9 @@ def check_dropout_p(p: float) -> float:
     return p
 
 
-DRAW_BITS = 16  # bits of one element's draw: half a Philox word
-
-
 def keep_threshold(p: float) -> int:
-    """Integer threshold on the 16-bit draw: keep iff draw >= threshold (0 keeps everything)."""
-    return min(int(round(check_dropout_p(p) * 2.0**DRAW_BITS)), 2**DRAW_BITS - 1)
+    """Integer threshold on the 31-bit draw: keep iff draw >= threshold (0 keeps everything)."""
+    return min(int(round(check_dropout_p(p) * 2.0**31)), 2**31 - 1)
 
 
 def normalize_seed(seed: int) -> int:
@@ -83,6 +77,11 @@ def philox_randint4x(seed: int, offsets: torch.Tensor, n_rounds: int = PHILOX_RO
     return c0, c1, c2, c3
 
 
+def fold31(u: torch.Tensor) -> torch.Tensor:
+    """The uint32 draw as `tl.rand` folds it before scaling: bitcast to int32, then `~x` if negative."""
+    return torch.where(u >= 2**31, _MASK32 - u, u)
+
+
 def dropout_keep_mask(seed: int, rows: int, cols: int, p: float, device=None) -> torch.Tensor:
     """Boolean keep-mask [rows, cols]: True with probability 1 - p, a pure function of `seed`.
 
@@ -92,16 +91,15 @@ def dropout_keep_mask(seed: int, rows: int, cols: int, p: float, device=None) ->
     out = torch.empty(rows, cols, dtype=torch.bool, device=device)
     if threshold == 0 or rows * cols == 0:
         return out.fill_(True)
-    draws = -(-cols // 8)  # Philox counters per row
-    step = max(1, _MAX_ELEMENTS_PER_STEP // (8 * draws))
-    draw_idx = torch.arange(draws, dtype=torch.int64, device=device)
+    groups = -(-cols // 4)  # Philox counters per row
+    step = max(1, _MAX_ELEMENTS_PER_STEP // (4 * groups))
+    group_idx = torch.arange(groups, dtype=torch.int64, device=device)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         row_idx = torch.arange(r0, r1, dtype=torch.int64, device=device)
-        words = torch.stack(philox_randint4x(seed, row_idx[:, None] * draws + draw_idx[None, :]), dim=-1)
-        # [rows, draws, half, word]: column 8 d + 4 h + w takes half h of word w of draw d
-        halves = torch.stack((words & 0xFFFF, words >> 16), dim=2)
-        out[r0:r1] = (halves.reshape(r1 - r0, 8 * draws)[:, :cols] >= threshold)
+        words = philox_randint4x(seed, row_idx[:, None] * groups + group_idx[None, :])  # 4 x (rows, groups)
+        draws = torch.stack(words, dim=-1).reshape(r1 - r0, 4 * groups)[:, :cols]  # word col % 4 of counter col // 4
+        out[r0:r1] = fold31(draws) >= threshold
     return out
 
 

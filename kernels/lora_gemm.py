@@ -36,7 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._triton_common import load_adapter, load_keep_mask, load_row_block
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, sm_count, tma_ready
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, KernelConfig, LoRABatchMeta, cdiv, sm_count, tma_ready
 
 
 @triton.jit
@@ -254,7 +254,7 @@ def _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_
     return st, lt
 
 
-def _schedule(forward: bool, n: int, n_pairs: int, cfg, device: torch.device) -> tuple[int, bool]:
+def _schedule(forward: bool, n: int, n_pairs: int, cfg: KernelConfig, device: torch.device) -> tuple[int, bool]:
     """(grid size, warp specialisation) of the fused base GEMM: persistent (one program per SM
     looping over its tiles, so that one tile's stores overlap the next one's loads), warp-
     specialised where the output is wide (N >= 8192). Measured on an H200: the forward ran

@@ -431,7 +431,10 @@ def section_ceil(res, device):
     print(f"ceilings: copy {copy_gbs:.0f} GB/s (read+write), bf16 matmul {tflops:.0f} TFLOP/s", flush=True)
 
 
-def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=TOKENS):
+def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=TOKENS, graphed_names=None):
+    """Every shape and pack, eager (host time included) and graphed (GPU time alone, the
+    methods in turn); `graphed_names` limits the graphed variants to those named (the base
+    and the default fused layer are always timed)."""
     rows = res.setdefault("main", [])
     for in_f, out_f in shapes:
         for tokens in tokens_list:
@@ -480,6 +483,12 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
                     graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
+                # the dX GEMM by cuBLAS plus the in-place LoRA add everywhere, Y fused as by default
+                graphed["fused_dx_in_place"] = (lambda q: m_fused(q, y_only), p)
+                graphed["fused_dropout_dx_in_place"] = (lambda q: m_fused(q, y_only), pd)
+                # with dropout, the dX GEMM fused whatever the shape, as until v25 (`fuses_dx`)
+                dx_fused = dataclasses.replace(default, dx_in_place_min_tokens=1 << 62)
+                graphed["fused_dropout_dx_fused"] = (lambda q: m_fused(q, dx_fused), pd)
                 # the backward's keep-mask joined from its four bits, as before `spread_mask` (v14)
                 joined = dataclasses.replace(default, spread_mask=False)
                 graphed["fused_dropout_joined_mask"] = (lambda q: m_fused(q, joined), pd)
@@ -487,6 +496,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 serial = dataclasses.replace(default, overlap_reductions=False)
                 graphed["fused_serial_reductions"] = (lambda q: m_fused(q, serial), p)
                 graphed["fused_dropout_serial_reductions"] = (lambda q: m_fused(q, serial), pd)
+                if graphed_names is not None:
+                    graphed = {k: v for k, v in graphed.items() if k in ("base", "fused", *graphed_names)}
                 # GPU time alone, host time aside, the methods in turn
                 ms, errors = interleaved_fwd_bwd_ms(graphed)
                 row.update({k + "_graphed": v for k, v in ms.items()})
@@ -508,7 +519,10 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
                       f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; reductions in line "
                       f"{row.get('fused_serial_reductions_graphed') or 0:.3f}, p=.05 "
-                      f"{row.get('fused_dropout_serial_reductions_graphed') or 0:.3f}) ms", flush=True)
+                      f"{row.get('fused_dropout_serial_reductions_graphed') or 0:.3f}; dX in place "
+                      f"{row.get('fused_dx_in_place_graphed') or 0:.3f}, p=.05 "
+                      f"{row.get('fused_dropout_dx_in_place_graphed') or 0:.3f}; p=.05, dX fused "
+                      f"{row.get('fused_dropout_dx_fused_graphed') or 0:.3f}) ms", flush=True)
 
 
 RAGGED_PACKS = [(16, "16"), (32, "mixed")]
@@ -1268,6 +1282,12 @@ def summarize(res):
                 ("graphed_persistent_dx_over_per_tile_dx", "fused", "fused_per_tile_dx", False),
                 # the TMA GEMMs with the LoRA term fused, against cuBLAS plus the in-place add
                 ("graphed_fused_over_in_place", "fused", "fused_in_place", False),
+                # the dX GEMM by cuBLAS plus the in-place add, against fused; without dropout and with
+                ("graphed_dx_in_place_over_fused", "fused_dx_in_place", "fused", False),
+                ("graphed_dropout_dx_in_place_over_dx_fused", "fused_dropout_dx_in_place", "fused_dropout_dx_fused",
+                 False),
+                # with dropout, the default (`fuses_dx`) against the dX GEMM fused at every shape
+                ("graphed_dropout_over_dx_fused", "fused_dropout", "fused_dropout_dx_fused", False),
                 # with dropout, the backward's keep-mask spread, against joined
                 ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False),
                 # dA and dB on a second stream beside dS and the dX GEMM (v21), against in line;
@@ -1359,6 +1379,10 @@ def main():
                     help="main: comma-separated packs as adapters x rank, e.g. 4x64,32xmixed (default: all of PACKS)")
     ap.add_argument("--gemm-variants", default=None,
                     help="gemm: comma-separated names of GEMM_VARIANTS to time (default: all)")
+    ap.add_argument("--shapes", default=None,
+                    help="main: comma-separated in x out features, e.g. 4096x14336 (default: all of SHAPES)")
+    ap.add_argument("--graphed", default=None,
+                    help="main: comma-separated graphed variants to time besides base and fused (default: all)")
     ap.add_argument("--rounds", type=int, default=4, help="gemm: rounds of the methods timed in turn")
     ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET=1: checks the script only")
     args = ap.parse_args()
@@ -1387,7 +1411,10 @@ def main():
                 tokens = [int(t) for t in args.tokens.split(",")] if args.tokens and not DRY else TOKENS
                 packs = [(int(n), kind) for n, kind in (p.split("x", 1) for p in args.packs.split(","))] \
                     if args.packs and not DRY else PACKS
-                section_main(res, device, deadline, packs=packs, tokens_list=tokens)
+                shapes = [tuple(int(d) for d in sh.split("x")) for sh in args.shapes.split(",")] \
+                    if args.shapes and not DRY else SHAPES
+                section_main(res, device, deadline, packs=packs, shapes=shapes, tokens_list=tokens,
+                             graphed_names=args.graphed.split(",") if args.graphed else None)
             elif sec == "profile":
                 section_profile(res, device)
             elif sec == "host":

@@ -483,12 +483,10 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
                     graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
-                # the dX GEMM by cuBLAS plus the in-place LoRA add everywhere, Y fused as by default
+                # the dX GEMM by cuBLAS plus the in-place LoRA add, Y fused as by default (tried as
+                # the default with dropout at wide shapes in v25, not kept)
                 graphed["fused_dx_in_place"] = (lambda q: m_fused(q, y_only), p)
                 graphed["fused_dropout_dx_in_place"] = (lambda q: m_fused(q, y_only), pd)
-                # with dropout, the dX GEMM fused whatever the shape, as until v25 (`fuses_dx`)
-                dx_fused = dataclasses.replace(default, dx_in_place_min_tokens=1 << 62)
-                graphed["fused_dropout_dx_fused"] = (lambda q: m_fused(q, dx_fused), pd)
                 # the backward's keep-mask joined from its four bits, as before `spread_mask` (v14)
                 joined = dataclasses.replace(default, spread_mask=False)
                 graphed["fused_dropout_joined_mask"] = (lambda q: m_fused(q, joined), pd)
@@ -521,8 +519,7 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_serial_reductions_graphed') or 0:.3f}, p=.05 "
                       f"{row.get('fused_dropout_serial_reductions_graphed') or 0:.3f}; dX in place "
                       f"{row.get('fused_dx_in_place_graphed') or 0:.3f}, p=.05 "
-                      f"{row.get('fused_dropout_dx_in_place_graphed') or 0:.3f}; p=.05, dX fused "
-                      f"{row.get('fused_dropout_dx_fused_graphed') or 0:.3f}) ms", flush=True)
+                      f"{row.get('fused_dropout_dx_in_place_graphed') or 0:.3f}) ms", flush=True)
 
 
 RAGGED_PACKS = [(16, "16"), (32, "mixed")]
@@ -1284,10 +1281,8 @@ def summarize(res):
                 ("graphed_fused_over_in_place", "fused", "fused_in_place", False),
                 # the dX GEMM by cuBLAS plus the in-place add, against fused; without dropout and with
                 ("graphed_dx_in_place_over_fused", "fused_dx_in_place", "fused", False),
-                ("graphed_dropout_dx_in_place_over_dx_fused", "fused_dropout_dx_in_place", "fused_dropout_dx_fused",
+                ("graphed_dropout_dx_in_place_over_fused_dropout", "fused_dropout_dx_in_place", "fused_dropout",
                  False),
-                # with dropout, the default (`fuses_dx`) against the dX GEMM fused at every shape
-                ("graphed_dropout_over_dx_fused", "fused_dropout", "fused_dropout_dx_fused", False),
                 # with dropout, the backward's keep-mask spread, against joined
                 ("graphed_spread_mask_over_joined_mask", "fused_dropout", "fused_dropout_joined_mask", False),
                 # dA and dB on a second stream beside dS and the dX GEMM (v21), against in line;

@@ -52,9 +52,6 @@ class KernelConfig:
     group_m: int = 8  # m-tiles per L2 swizzle group
     fused_base: bool = True  # False: cuBLAS base GEMM, then the LoRA term added in place (also where TMA cannot)
     fuse_dx: bool = True  # with fused_base, the backward's dX GEMM too (else only the forward's Y)
-    # ... but not with dropout from this many tokens on where the layer is at least 3x as wide
-    # out as in: there cuBLAS and the in-place add are faster (`fuses_dx`)
-    dx_in_place_min_tokens: int = 16384
     # with fused_base and no dropout mask on the term, the LoRA term after the K loop, not before it
     lora_term_last: bool = True
     # the fused GEMM's dX persistent like its Y (`lora_gemm._schedule`), not one program per tile
@@ -100,23 +97,6 @@ class KernelConfig:
     # beside the dS shrink and the dX GEMM, which need neither: median 0.98x the layer's GPU
     # time at 2048 tokens (to 0.94x), 0.99x at 16384; eagerly it costs the host more (v21)
     overlap_reductions: bool = True
-
-    def fuses_dx(self, in_features: int, out_features: int, tokens: int, has_dropout: bool) -> bool:
-        """Whether the backward's dX GEMM carries its LoRA term in its accumulator (with
-        `fused_base`), else cuBLAS computes dY W and the term is added in place.
-
-        Fused, but where some adapter has dropout, the layer is at least 3x as wide out as in
-        and the call has at least `dx_in_place_min_tokens` rows. The masked term is computed
-        before the K loop (masking it after would take a second accumulator), and there, with
-        dX narrow against its K, re-reading dX in the add costs less. Measured, the whole layer
-        graphed, on an H200 (KERNELS_NOTES v25): at 4096 -> 14336 and 3584 -> 18944 with 16384
-        tokens and dropout 0.05, 0.96-0.99x the layer's time with the fused dX (14 of 14 packs);
-        at 4096 and 8192 tokens 0.99-1.07x, at 2048 0.98-1.03x; at 4096^2, and without dropout
-        anywhere, never faster.
-        """
-        if not self.fuse_dx:
-            return False
-        return not (has_dropout and out_features >= 3 * in_features and tokens >= self.dx_in_place_min_tokens)
 
 
 # Interpreter (CPU) blocks: small, so that tests run many tiles, K steps and chunks.

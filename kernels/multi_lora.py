@@ -65,13 +65,11 @@ def _check_inputs(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens):
 
 def _base_plus_lora(a, weight, bias, s, lora_pack, meta, forward, mask_nibbles=None):
     """Y = x W^T + b + LoRA (forward) or dX = dY W + LoRA (backward): the base GEMM fused with
-    the LoRA term where the config says so (`KernelConfig.fuses_dx` for dX) and TMA can read
-    the operands, else cuBLAS and the LoRA term added in place."""
+    the LoRA term where the config says so and TMA can read the operands, else cuBLAS and the
+    LoRA term added in place."""
     from .lora_gemm import lora_gemm
 
-    out_f, in_f = weight.shape
-    fused = (meta.config.fused_base and tma_ready(a, weight)
-             and (forward or meta.config.fuses_dx(in_f, out_f, a.shape[0], meta.has_dropout)))
+    fused = meta.config.fused_base and (forward or meta.config.fuse_dx) and tma_ready(a, weight)
     if fused:
         out = a.new_empty(a.shape[0], weight.shape[0] if forward else weight.shape[1])
     else:

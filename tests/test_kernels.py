@@ -242,25 +242,6 @@ def test_widths_tma_cannot_read_fall_back_to_the_in_place_add():
                   fused_base=True)
 
 
-def test_dx_in_place_with_dropout_on_wide_layers_from_enough_tokens():
-    cfg = config_for(16, True, True)
-    n = cfg.dx_in_place_min_tokens
-    # fused, but with dropout where dX is narrow against its K (out >= 3 in) from n tokens on
-    assert not cfg.fuses_dx(4096, 14336, n, has_dropout=True)
-    assert not cfg.fuses_dx(3584, 18944, 2 * n, has_dropout=True)
-    assert cfg.fuses_dx(4096, 14336, n - 1, has_dropout=True)
-    assert cfg.fuses_dx(4096, 14336, n, has_dropout=False)
-    assert cfg.fuses_dx(4096, 4096, n, has_dropout=True) and cfg.fuses_dx(14336, 4096, n, has_dropout=True)
-    assert not dataclasses.replace(cfg, fuse_dx=False).fuses_dx(4096, 4096, 2048, has_dropout=False)
-    # the interpreter's small cases through that rule: out_f >= 3 in_f, every call above the threshold
-    wide = dataclasses.replace(INTERPRET_CONFIG, dx_in_place_min_tokens=1)
-    assert not wide.fuses_dx(16, 56, 1, has_dropout=True)
-    for seed in (2, 9):
-        case = random_case(6, seed, in_f=16, out_f=56)
-        assert _meta(case, wide).has_dropout
-        check_against_reference(case, wide)
-
-
 def test_shrink_programs_shrink_where_the_layout_has_few_tiles():
     cfg = config_for(16, True, True)  # 128-row tiles, 64-row shrink programs, K step 64
     h100 = 232448 * 2 // 3  # two thirds of an H100's shared memory per program

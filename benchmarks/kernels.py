@@ -464,6 +464,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 pd = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
                 row["fused_dropout"] = bench_fwd_bwd(m_fused, pd)
                 graphed = dict(base=(m_base, p), fused=(m_fused, p))
+                # controls: the same two again, timed in the middle of the order
+                graphed["base_again"], graphed["fused_again"] = (m_base, p), (m_fused, p)
                 # cuBLAS base GEMMs plus the in-place LoRA add: before v17, the path of packs whose
                 # segments would have padded the fused GEMM's 128-row tiles by over 5%
                 graphed["fused_in_place"] = (lambda q: m_fused(q, alt), p)
@@ -1279,6 +1281,10 @@ def summarize(res):
                 ("graphed_persistent_dx_over_per_tile_dx", "fused", "fused_per_tile_dx", False),
                 # the TMA GEMMs with the LoRA term fused, against cuBLAS plus the in-place add
                 ("graphed_fused_over_in_place", "fused", "fused_in_place", False),
+                # controls: the same code timed twice, first (base) or second (fused) and in the middle
+                ("graphed_base_over_base_again", "base", "base_again", False),
+                ("graphed_fused_over_fused_again", "fused", "fused_again", False),
+                ("graphed_fused_again_over_base_again", "fused_again", "base_again", True),
                 # the dX GEMM by cuBLAS plus the in-place add, against fused; without dropout and with
                 ("graphed_dx_in_place_over_fused", "fused_dx_in_place", "fused", False),
                 ("graphed_dropout_dx_in_place_over_fused_dropout", "fused_dropout_dx_in_place", "fused_dropout",

@@ -305,27 +305,44 @@ def fwd_bwd_fn(fn, p):
 
 
 def interleaved_ms(fns, rounds=4):
-    """GPU time of each zero-argument function in `fns` ({name: fn}): the call's kernels back
-    to back in a CUDA graph (`gpu_ms`), whatever the host's speed (what a graph-captured
-    training step would pay). The functions are timed in turn, `rounds` times, and each gets
-    the median of its rounds: an H100's clock fell from 1980 to 1470 MHz within seconds of
-    fwd+bwd at 16384 x 4096 -> 14336 (KERNELS_NOTES v12), which favoured whichever was timed
-    first. Every other round runs them in reverse order, so that none is always timed right
-    after the same one: in a fixed order, the one timed last came out up to 9% faster than
-    the one before it at 16384 tokens of the wide shapes, where the two differed in a kernel
-    of 0.1 ms (KERNELS_NOTES v14). Each round captures its graph anew and frees it after.
+    """GPU time of each zero-argument function in `fns` ({name: fn}): its kernels back to
+    back in a CUDA graph (what a graph-captured training step pays, whatever the host's
+    speed), the median of 16 x `rounds` replays. The replays interleave: each repetition
+    replays every graph once, L2 flushed before each, the order rotated by one each time,
+    so that the methods share the GPU's clock and temperature as they drift (an H100's
+    clock fell from 1980 to 1470 MHz within seconds of fwd+bwd at 16384 x 4096 -> 14336,
+    KERNELS_NOTES v12). Until v25 each method was timed in turn over blocks of about 0.1 s
+    (`do_bench`), every other round in reverse order; there, the same code timed first and
+    timed in the middle of the order differed by up to 3% at 16384 tokens, and the layer's
+    count within 1.15x of the base by 5 of 21 rows (v25's controls).
     Returns ({name: ms}, {name: error}); a function that fails gets None and its error."""
-    times, errors = {name: [] for name in fns}, {}
-    order = list(fns)
-    for round_ in range(1 if DRY else rounds):
-        for name in (order if round_ % 2 == 0 else order[::-1]):
-            if name in errors:  # failed in an earlier round
-                continue
-            try:
-                times[name].append(gpu_ms(fns[name], calls=1))
-            except Exception as e:  # recorded, not fatal
-                errors[name] = f"{type(e).__name__}: {e}"[:300]
-    return {name: None if name in errors else statistics.median(t) for name, t in times.items()}, errors
+    if DRY:
+        return {name: do_bench(fn) for name, fn in fns.items()}, {}
+    graphs, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            graphs[name] = capture_graph(fn)
+        except Exception as e:  # recorded, not fatal
+            errors[name] = f"{type(e).__name__}: {e}"[:300]
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # larger than any L2
+    order = list(graphs)
+    for g in graphs.values():  # warm-up
+        g.replay()
+    times = {name: [] for name in order}
+    for rep in range(16 * rounds):
+        events = []
+        for name in order[rep % len(order):] + order[:rep % len(order)]:
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            events.append((name, start, end))
+        torch.cuda.synchronize()
+        for name, start, end in events:
+            times[name].append(start.elapsed_time(end))
+    del graphs
+    return {name: None if name in errors else statistics.median(times[name]) for name in fns}, errors
 
 
 def interleaved_fwd_bwd_ms(methods, rounds=4):
@@ -1384,7 +1401,8 @@ def main():
                     help="main: comma-separated in x out features, e.g. 4096x14336 (default: all of SHAPES)")
     ap.add_argument("--graphed", default=None,
                     help="main: comma-separated graphed variants to time besides base and fused (default: all)")
-    ap.add_argument("--rounds", type=int, default=4, help="gemm: rounds of the methods timed in turn")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="gemm: 16 x this many replays of each method, interleaved (`interleaved_ms`)")
     ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET=1: checks the script only")
     args = ap.parse_args()
     device = torch.device("cpu" if DRY else "cuda")

@@ -16,11 +16,12 @@ Sections:
          the fused kernels (dropout 0 and 0.05), the torch segmented reference (one base GEMM),
          a PEFT-style loop of separate LoRA linears, torch grouped_mm for the LoRA matmuls;
          also the fused kernels on the base path the default did not choose for the layout,
-         and the base and the fused op captured in a CUDA graph (GPU time, no host time).
+         and the base, the fused op and its variants captured in CUDA graphs, their replays
+         interleaved (GPU time at one clock, no host time; `interleaved_ms`).
   lora   32 adapters x 1024 tokens: the LoRA part alone vs the same LoRA matmuls adapter by adapter.
   ragged packs of segments of uneven lengths, as the engine packs samples: base, fused, and
-         cuBLAS + the in-place LoRA add, graphed, in turn.
-  gemm   one base GEMM with its LoRA term, Y and dX apart, graphed, in turn: cuBLAS alone, the TMA
+         cuBLAS + the in-place LoRA add, graphed, replays interleaved.
+  gemm   one base GEMM with its LoRA term, Y and dX apart, graphed, interleaved: cuBLAS alone, the TMA
          kernel as a plain GEMM, the TMA kernel with the LoRA term after or before its K loop,
          cuBLAS + the in-place LoRA add.
   profile  where one fused fwd+bwd spends its time: per-kernel GPU time, host enqueue time.
@@ -450,7 +451,7 @@ def section_ceil(res, device):
 
 def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=TOKENS, graphed_names=None):
     """Every shape and pack, eager (host time included) and graphed (GPU time alone, the
-    methods in turn); `graphed_names` limits the graphed variants to those named (the base
+    methods' replays interleaved); `graphed_names` limits the graphed variants to those named (the base
     and the default fused layer are always timed)."""
     rows = res.setdefault("main", [])
     for in_f, out_f in shapes:
@@ -515,7 +516,7 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 graphed["fused_dropout_serial_reductions"] = (lambda q: m_fused(q, serial), pd)
                 if graphed_names is not None:
                     graphed = {k: v for k, v in graphed.items() if k in ("base", "fused", *graphed_names)}
-                # GPU time alone, host time aside, the methods in turn
+                # GPU time alone, host time aside, the methods' replays interleaved
                 ms, errors = interleaved_fwd_bwd_ms(graphed)
                 row.update({k + "_graphed": v for k, v in ms.items()})
                 row.update({k + "_graphed_error": e for k, e in errors.items()})
@@ -554,7 +555,7 @@ def ragged_seg_lens(tokens, n, rng):
 
 
 def section_ragged(res, device):
-    """Packs of ragged segments (`ragged_seg_lens`), fwd+bwd graphed in turn: the frozen base,
+    """Packs of ragged segments (`ragged_seg_lens`), fwd+bwd graphed, interleaved: the frozen base,
     the fused layer (row blocks: its tiles cut at the segments' ends, `metadata`) and cuBLAS
     plus the in-place LoRA add. `padding` is the fraction of rows that padding every segment
     to the 128-row tile would have added: up to v16 such packs ran the fused GEMM padded
@@ -670,7 +671,7 @@ GEMM_VARIANTS = {
 
 def section_gemm(res, device, tokens_list=TOKENS, variant_names=None, rounds=4):
     """One base GEMM with its LoRA term (4 adapters r16), forward (Y) and backward (dX, with the
-    keep-mask of dropout 0.05, and without) apart, timed in turn in CUDA graphs
+    keep-mask of dropout 0.05, and without) apart, timed in CUDA graphs, interleaved
     (`interleaved_ms`): cuBLAS alone (the floor), the TMA kernel as a plain GEMM (no adapter),
     the TMA kernel with the LoRA term in its accumulator as the default places it, the same
     with an unmasked term before the K loop (`lora_term_last=False`), cuBLAS plus the

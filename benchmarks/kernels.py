@@ -330,7 +330,7 @@ def interleaved_ms(fns, rounds=4):
     for g in graphs.values():  # warm-up
         g.replay()
     times = {name: [] for name in order}
-    for rep in range(16 * rounds):
+    for rep in range(16 * rounds if order else 0):  # none to time where every capture failed
         events = []
         for name in order[rep % len(order):] + order[:rep % len(order)]:
             flush.zero_()

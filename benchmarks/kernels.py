@@ -1420,6 +1420,12 @@ def main():
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 
+    # the list options, parsed once; the dry run keeps its tiny defaults
+    tokens = [int(n) for n in args.tokens.split(",")] if args.tokens and not DRY else TOKENS
+    packs = [(int(n), kind) for n, kind in (p.split("x", 1) for p in args.packs.split(","))] \
+        if args.packs and not DRY else PACKS
+    shapes = [tuple(int(d) for d in sh.split("x")) for sh in args.shapes.split(",")] \
+        if args.shapes and not DRY else SHAPES
     for sec in args.sections.split(","):
         t = time.time()
         try:
@@ -1428,11 +1434,6 @@ def main():
             elif sec == "ceil":
                 section_ceil(res, device)
             elif sec == "main":
-                tokens = [int(t) for t in args.tokens.split(",")] if args.tokens and not DRY else TOKENS
-                packs = [(int(n), kind) for n, kind in (p.split("x", 1) for p in args.packs.split(","))] \
-                    if args.packs and not DRY else PACKS
-                shapes = [tuple(int(d) for d in sh.split("x")) for sh in args.shapes.split(",")] \
-                    if args.shapes and not DRY else SHAPES
                 section_main(res, device, deadline, packs=packs, shapes=shapes, tokens_list=tokens,
                              graphed_names=args.graphed.split(",") if args.graphed else None)
             elif sec == "profile":
@@ -1442,8 +1443,7 @@ def main():
             elif sec == "power":
                 section_power(res, device)
             elif sec == "gemm":
-                section_gemm(res, device, [int(t) for t in args.tokens.split(",")] if args.tokens and not DRY
-                             else TOKENS, args.gemm_variants.split(",") if args.gemm_variants else None,
+                section_gemm(res, device, tokens, args.gemm_variants.split(",") if args.gemm_variants else None,
                              args.rounds)
             elif sec == "lora":
                 section_lora(res, device)

@@ -594,8 +594,8 @@ def section_lora(res, device):
       at the copy ceiling those two passes, with x read twice and dY once, take 0.44 ms at
       32768 x 4096, so this way cannot pass 26x there.
     - `added_ms`: what the LoRA part adds to the layer, the fused fwd+bwd less the frozen
-      base's, each the median of alternating graphed rounds (`interleaved_fwd_bwd_ms`; GPU
-      time, which eager time equals at this size). In the fused layer the expand and dX's
+      base's, each the median of graphed replays interleaved with the other's
+      (`interleaved_fwd_bwd_ms`; GPU time at one clock). In the fused layer the expand and dX's
       LoRA term live in the base GEMMs' accumulators, so this is everything the LoRA part
       costs there; `added_eager_ms` is the same difference of eager medians."""
     from lora_sweep.kernels.dropout import empty_mask_nibbles

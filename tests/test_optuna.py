@@ -284,7 +284,9 @@ def test_several_devices_run_one_job_each(spec):
 
 
 def start_worker(tmp_path, storage: str, name: str, n_trials: int, max_steps: int, model_dir, toy_data,
-                 checkpoint_every=None):
+                 checkpoint_every=None, start_with=()):
+    """A sweep worker in a process of its own (`worker_main`). Workers named in `start_with`
+    wait for each other once their imports are done, before they sweep."""
     data = tmp_path / "data"
     if not data.exists():
         data.mkdir()
@@ -292,7 +294,7 @@ def start_worker(tmp_path, storage: str, name: str, n_trials: int, max_steps: in
             (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = dict(storage=storage, model=str(model_dir), data=str(data), output=str(tmp_path / "runs"),
                 n_trials=n_trials, max_steps=max_steps, log=str(tmp_path / f"{name}.trials"),
-                checkpoint_every=checkpoint_every)
+                checkpoint_every=checkpoint_every, name=name, start_with=list(start_with))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, __file__, json.dumps(args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -417,7 +419,8 @@ def check_reruns(study, killed, tiny_llama_dir, toy_data, tmp_path):
 @pytest.mark.slow
 def test_two_workers_on_one_journal_never_train_a_trial_twice(tiny_llama_dir, toy_data, tmp_path):
     journal = str(tmp_path / "journal.log")
-    workers = [start_worker(tmp_path, journal, name, 8, 10, tiny_llama_dir, toy_data) for name in ("a", "b")]
+    workers = [start_worker(tmp_path, journal, name, 8, 10, tiny_llama_dir, toy_data, start_with=("a", "b"))
+               for name in ("a", "b")]
     for w in workers:
         out, _ = w.communicate(timeout=180)
         assert w.returncode == 0, out
@@ -471,6 +474,16 @@ def worker_main(args: dict) -> None:
         with open(args["log"], "a") as f:
             f.write(json.dumps({"number": trial.number, "pid": os.getpid()}) + "\n")
 
+    # Workers meant to overlap start together: on a loaded machine one of them can otherwise
+    # finish the whole sweep before the other is through its imports.
+    if args["start_with"]:
+        folder = os.path.dirname(args["log"])
+        open(os.path.join(folder, f"{args['name']}.ready"), "w").close()
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(os.path.join(folder, f"{n}.ready")) for n in args["start_with"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {args['name']}: the others in {args['start_with']} never started")
+            time.sleep(0.1)
     sampler.optimize(n_trials=args["n_trials"], callbacks=[log_trial], show_progress_bar=False)
 
 

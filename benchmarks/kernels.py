@@ -1345,8 +1345,8 @@ def summarize(res):
                      one_at_a_time=r["fused_spaced_ms"] / r["base_spaced_ms"]) for r in res["power"]}
     if res.get("gemm"):  # each fused GEMM variant against the default, and the default against cuBLAS
         rows = res["gemm"]
-        s["gemm_default_over_cublas"] = dict(**spread([r["tma_with_lora_ms"] / r["cublas_ms"] for r in rows
-                                                       if r.get("tma_with_lora_ms")]), of=len(rows))
+        if ratios := [r["tma_with_lora_ms"] / r["cublas_ms"] for r in rows if r.get("tma_with_lora_ms")]:
+            s["gemm_default_over_cublas"] = dict(**spread(ratios), of=len(ratios))
         s["gemm_variant_over_default"] = {
             name: dict(**spread(ratios), of=len(ratios)) for name in GEMM_VARIANTS
             if (ratios := [r[name + "_ms"] / r["tma_with_lora_ms"] for r in rows

@@ -479,11 +479,8 @@ def worker_main(args: dict) -> None:
     if args["start_with"]:
         folder = os.path.dirname(args["log"])
         open(os.path.join(folder, f"{args['name']}.ready"), "w").close()
-        deadline = time.monotonic() + 120
-        while not all(os.path.exists(os.path.join(folder, f"{n}.ready")) for n in args["start_with"]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"worker {args['name']}: the others in {args['start_with']} never started")
-            time.sleep(0.1)
+        wait_for(lambda: all(os.path.exists(os.path.join(folder, f"{n}.ready")) for n in args["start_with"]), 120,
+                 f"workers {args['start_with']} to start")
     sampler.optimize(n_trials=args["n_trials"], callbacks=[log_trial], show_progress_bar=False)
 
 

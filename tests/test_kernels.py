@@ -196,6 +196,12 @@ def test_matches_reference_forty_adapters():
     check_against_reference(random_case(40, 7, max_rows=6), CONFIGS["split_chunks"])
 
 
+@pytest.mark.parametrize("config", ["fused", "lora_term_first", "cublas_base"])
+def test_matches_reference_above_one_rank_step(config):
+    # ranks past the GEMM's rank step of 64 (`rank_blocks`): the LoRA term takes two and three steps
+    check_against_reference(random_case(4, 11, ranks=(5, 70, 130)), CONFIGS[config])
+
+
 @pytest.mark.parametrize("config", ["fused", "lora_term_first"])
 def test_matches_reference_without_dropout(config):
     # no mask on dX's LoRA term either: both fused GEMMs take it after their K loop (or before)

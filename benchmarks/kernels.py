@@ -503,6 +503,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
                     graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
+                if max(in_f, out_f) >= default.gemm_ws_min_n:  # no warp-specialised K loop at this width
+                    no_ws = dataclasses.replace(default, gemm_ws_min_n=1 << 30)
+                    graphed["fused_no_ws"] = (lambda q: m_fused(q, no_ws), p)
                 # the dX GEMM by cuBLAS plus the in-place LoRA add, Y fused as by default (tried as
                 # the default with dropout at wide shapes in v25, not kept)
                 graphed["fused_dx_in_place"] = (lambda q: m_fused(q, y_only), p)
@@ -532,7 +535,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_one_rank_block_graphed') or 0:.3f}; whole chunks "
                       f"{row.get('fused_whole_chunks_graphed') or 0:.3f}; LoRA term first "
                       f"{row.get('fused_lora_first_graphed') or 0:.3f}; dX per tile "
-                      f"{row.get('fused_per_tile_dx_graphed') or 0:.3f}; in place "
+                      f"{row.get('fused_per_tile_dx_graphed') or 0:.3f}; no WS "
+                      f"{row.get('fused_no_ws_graphed') or 0:.3f}; in place "
                       f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
                       f"{row.get('fused_dropout_joined_mask_graphed') or 0:.3f}; reductions in line "
@@ -666,6 +670,7 @@ GEMM_VARIANTS = {
     "bn128_w8_s4": dict(gemm_block_n=128, gemm_stages=4),
     "bn128_w4_s4": dict(gemm_block_n=128, gemm_warps=4, gemm_stages=4),
     "per_tile_dx": dict(gemm_persistent_dx=False),  # dX one program per tile, as until v24
+    "no_ws": dict(gemm_ws_min_n=1 << 30),  # no warp specialisation at any width
 }
 
 
@@ -1295,6 +1300,8 @@ def summarize(res):
                 ("graphed_chunks_fill_sms_over_whole_chunks", "fused", "fused_whole_chunks", False),
                 # the fused GEMMs' unmasked LoRA term after their K loops, against before
                 ("graphed_lora_last_over_lora_first", "fused", "fused_lora_first", False),
+                # the GEMMs' K loops warp-specialised where the output is wide, against never (v27)
+                ("graphed_ws_over_no_ws", "fused", "fused_no_ws", False),
                 # the dX GEMM persistent (v24), against one program per tile
                 ("graphed_persistent_dx_over_per_tile_dx", "fused", "fused_per_tile_dx", False),
                 # the TMA GEMMs with the LoRA term fused, against cuBLAS plus the in-place add

@@ -257,12 +257,14 @@ def _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_
 def _schedule(forward: bool, n: int, n_pairs: int, cfg: KernelConfig, device: torch.device) -> tuple[int, bool]:
     """(grid size, warp specialisation) of the fused base GEMM: persistent (one program per SM
     looping over its tiles, so that one tile's stores overlap the next one's loads), warp-
-    specialised where the output is wide (N >= 8192). Measured on an H200: the forward ran
-    best so (benchmarks/KERNELS_NOTES.md, v8); dX too since v24, 1.3% faster than one program
-    per tile (median of 12 dX GEMMs, 0.97-1.00x; `cfg.gemm_persistent_dx=False` runs that)."""
+    specialised where the output is wide (N >= `cfg.gemm_ws_min_n`, 8192). Measured on an
+    H200: the forward ran best so (benchmarks/KERNELS_NOTES.md, v8; at one clock, v27, warp
+    specialisation neither gains nor loses: the layer 0.999x without it, median of 28 wide
+    rows); dX too since v24, 1.3% faster than one program per tile (median of 12 dX GEMMs,
+    0.97-1.00x; `cfg.gemm_persistent_dx=False` runs that)."""
     if not forward and not cfg.gemm_persistent_dx:
         return n_pairs, False
-    return min(n_pairs, sm_count(device)), n >= 8192
+    return min(n_pairs, sm_count(device)), n >= cfg.gemm_ws_min_n
 
 
 def lora_gemm(

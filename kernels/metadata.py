@@ -56,6 +56,8 @@ class KernelConfig:
     lora_term_last: bool = True
     # the fused GEMM's dX persistent like its Y (`lora_gemm._schedule`), not one program per tile
     gemm_persistent_dx: bool = True
+    # the fused GEMM's K loop warp-specialised where its output is at least this wide (`lora_gemm._schedule`)
+    gemm_ws_min_n: int = 8192
     # the LoRA term added in place to a cuBLAS product
     add_block_n: int = 128
     add_warps: int = 4

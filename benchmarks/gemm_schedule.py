@@ -32,7 +32,6 @@ Every variant uses the fused GEMM's blocks: 128x256x64, 8 warps, 3 stages, GROUP
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -221,7 +220,7 @@ def main():
         ranks = torch.full((triton.cdiv(tokens, BLOCK_M),), 16, dtype=torch.int32, device=device)
         ref_lora = ref + s_lora.float() @ l_lora.float()
         fns, outs = {"cublas": (lambda: a @ w.t()) if forward else (lambda: a @ w)}, {}
-        cfg = dataclasses.replace(meta_mod.config_for(16, True, True))
+        cfg = meta_mod.config_for(16, True, True)
         meta = meta_mod.LoRABatchMeta.build([tokens], [None], [None], [1.0], [0.0], [0], k_dim if forward else n_dim,
                                             n_dim if forward else k_dim, device, cfg)
         s = torch.zeros(tokens, max(meta.rank_stride, 1), device=device, dtype=torch.bfloat16)

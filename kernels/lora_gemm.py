@@ -10,13 +10,13 @@ is one adapter's rows within a row block), each tile's rows of S times its own a
 matrix. So segments are never padded to the block height; a block holding several
 segments costs each further one its own LoRA steps, whose loads nothing hides (up to 10% of
 one GEMM at rank 128, KERNELS_NOTES v17). An unmasked term (the forward's, and dX's when no
-adapter has dropout) is added after the K loop, its first operands loaded before it so that
-their loads overlap the loop (`KernelConfig.lora_term_last`; 1.3% less layer time, median,
-KERNELS_NOTES v16). dX's masked term (the nibbles the forward shrink stored) is
-computed first, before the accumulator holds anything else: masking it later would take a
-second accumulator. Its base operands arrive through TMA descriptors (Hopper's bulk tensor
-copies, zero-filled past the edges): with them the GEMM runs within 3-5% of cuBLAS, where
-pointer-based loads reached ~75%. `_lora_add_kernel` instead adds the LoRA term in place to
+adapter has dropout) is added after the K loop (`KernelConfig.lora_term_last`; 1.3% less
+layer time than before it, median, KERNELS_NOTES v16; loading its first operands before the
+loop, as until v27, made no difference at one clock). dX's masked term (the nibbles the
+forward shrink stored) is computed first, before the accumulator holds anything else:
+masking it later would take a second accumulator. Its base operands arrive through TMA
+descriptors (Hopper's bulk tensor copies, zero-filled past the edges): with them the GEMM
+runs within 3-5% of cuBLAS, where pointer-based loads reached ~75%. `_lora_add_kernel` instead adds the LoRA term in place to
 a base product cuBLAS already wrote to `out` (one extra read and write of it): for operands
 TMA cannot describe, and for 32-bit inputs, whose fused dot would run in TF32.
 
@@ -74,7 +74,7 @@ def _lora_gemm_kernel(
     GROUP_M: tl.constexpr,  # row blocks per L2 group (triton tutorial 03's grouped ordering)
     K_STAGES: tl.constexpr,  # software-pipeline depth of the K loop
     WARP_SPECIALIZE: tl.constexpr,  # split the K loop's warps into loaders and MMA issuers
-    LORA_LAST: tl.constexpr,  # the LoRA term after the K loop, its first operands loaded before it (no mask)
+    LORA_LAST: tl.constexpr,  # the LoRA term after the K loop (no mask)
 ):
     """The fused path: out = the row block's LoRA terms + the base GEMM (+ bias), written once."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -83,14 +83,9 @@ def _lora_gemm_kernel(
         row_start = block * BLOCK_M
         offs_m, offs_n, first_tile, end_tile = _row_block(block_tiles_ptr, block, n0, BLOCK_M, BLOCK_N)
         n_mask = offs_n < N
+        # an unmasked LoRA term comes after the K loop; a masked one first, as it would need an
+        # accumulator of its own later
         if LORA_LAST:
-            # The first tile's first rank step of S and L is loaded here and used after the K
-            # loop, so its loads overlap the loop instead of holding back its first TMA loads.
-            # Only where no dropout mask applies: a masked term needs its own accumulator.
-            rank, _, r_offset, scale, _, rows = _tile_of_block(tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,
-                                                               first_tile, offs_m, N_INT_COLS, N_FLOAT_COLS)
-            st, lt = _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, rows, n_mask, 0, rank, r_offset, scale, N,
-                                    stride_sm, FORWARD, BLOCK_R)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             acc, _ = _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,
@@ -103,13 +98,8 @@ def _lora_gemm_kernel(
                 acc = tl.dot(at, w_desc.load([n0, ki * BLOCK_K]).T, acc)
             else:
                 acc = tl.dot(at, w_desc.load([ki * BLOCK_K, n0]), acc)
-        if LORA_LAST:
-            if rank > 0:
-                acc = tl.dot(st, lt, acc)
-            # the first tile's ranks above one step, then the block's other tiles (other adapters)
-            acc = _add_tile_lora(acc, s_ptr, lora_ptr, offs_m, offs_n, n_mask, rows, BLOCK_R, rank, r_offset, scale,
-                                 N, stride_sm, FORWARD, BLOCK_R)
-            for tile in tl.range(first_tile + 1, end_tile, num_stages=1):
+        if LORA_LAST:  # tile by tile: each of the block's adapters adds its rows' term
+            for tile in tl.range(first_tile, end_tile, num_stages=1):
                 rank, _, r_offset, scale, _, rows = _tile_of_block(tiles_ptr, adapters_i_ptr, adapters_f_ptr,
                                                                    seeds_ptr, tile, offs_m, N_INT_COLS, N_FLOAT_COLS)
                 acc = _add_tile_lora(acc, s_ptr, lora_ptr, offs_m, offs_n, n_mask, rows, 0, rank, r_offset, scale,

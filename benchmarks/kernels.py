@@ -503,6 +503,10 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
                     graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
+                if not DRY:  # programmatic dependent launch on, or off where the default has it on (v27)
+                    other_pdl = dataclasses.replace(default, pdl=not default.pdl)
+                    graphed["fused_other_pdl"] = (lambda q: m_fused(q, other_pdl), p)
+                    graphed["fused_dropout_other_pdl"] = (lambda q: m_fused(q, other_pdl), pd)
                 if max(in_f, out_f) >= default.gemm_ws_min_n:  # no warp-specialised K loop at this width
                     no_ws = dataclasses.replace(default, gemm_ws_min_n=1 << 30)
                     graphed["fused_no_ws"] = (lambda q: m_fused(q, no_ws), p)
@@ -535,7 +539,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_one_rank_block_graphed') or 0:.3f}; whole chunks "
                       f"{row.get('fused_whole_chunks_graphed') or 0:.3f}; LoRA term first "
                       f"{row.get('fused_lora_first_graphed') or 0:.3f}; dX per tile "
-                      f"{row.get('fused_per_tile_dx_graphed') or 0:.3f}; no WS "
+                      f"{row.get('fused_per_tile_dx_graphed') or 0:.3f}; other PDL "
+                      f"{row.get('fused_other_pdl_graphed') or 0:.3f}, p=.05 "
+                      f"{row.get('fused_dropout_other_pdl_graphed') or 0:.3f}; no WS "
                       f"{row.get('fused_no_ws_graphed') or 0:.3f}; in place "
                       f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
@@ -671,6 +677,7 @@ GEMM_VARIANTS = {
     "bn128_w4_s4": dict(gemm_block_n=128, gemm_warps=4, gemm_stages=4),
     "per_tile_dx": dict(gemm_persistent_dx=False),  # dX one program per tile, as until v24
     "no_ws": dict(gemm_ws_min_n=1 << 30),  # no warp specialisation at any width
+    "pdl": dict(pdl=True),  # launched with programmatic dependent launch (Hopper on; here after a torch kernel)
 }
 
 
@@ -687,7 +694,7 @@ def section_gemm(res, device, tokens_list=TOKENS, variant_names=None, rounds=4):
     variants = (("tma_gemm_only", 0, True, {}), ("tma_with_lora", 16, True, {}),
                 ("tma_with_lora_first", 16, True, dict(lora_term_last=False)), ("cublas_plus_add", 16, False, {}),
                 *((name, 16, True, changes) for name, changes in GEMM_VARIANTS.items()
-                  if variant_names is None or name in variant_names))
+                  if (variant_names is None or name in variant_names) and not (DRY and changes.get("pdl"))))
     out_rows = []
     for tokens in tokens_list[::-1]:
         for in_f, out_f in SHAPES:
@@ -1300,6 +1307,9 @@ def summarize(res):
                 ("graphed_chunks_fill_sms_over_whole_chunks", "fused", "fused_whole_chunks", False),
                 # the fused GEMMs' unmasked LoRA term after their K loops, against before
                 ("graphed_lora_last_over_lora_first", "fused", "fused_lora_first", False),
+                # the default's programmatic dependent launch against the other choice (v27)
+                ("graphed_default_over_other_pdl", "fused", "fused_other_pdl", False),
+                ("graphed_dropout_default_over_other_pdl", "fused_dropout", "fused_dropout_other_pdl", False),
                 # the GEMMs' K loops warp-specialised where the output is wide, against never (v27)
                 ("graphed_ws_over_no_ws", "fused", "fused_no_ws", False),
                 # the dX GEMM persistent (v24), against one program per tile

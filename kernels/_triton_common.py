@@ -15,6 +15,25 @@ import triton.language as tl
 
 
 @triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL: a kernel launched with `launch_pdl=True` on
+    Hopper may start while the kernel before it in the stream still runs), wait until that
+    kernel has finished and its writes are visible. Before this a kernel may read only what
+    was written before the previous kernel started, and may write nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def let_next_kernel_start(PDL: tl.constexpr):
+    """With PDL, let the next kernel in the stream start early, on the SMs this one leaves
+    free. Called only after `wait_for_previous_kernel`, so that whatever started early can
+    rely on everything before this kernel having finished."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def load_row_block(table_ptr, i):
     """Row i of a tile or chunk table (metadata.TILE_COLS): (adapter, first row, end row),
     global rows, as int32."""

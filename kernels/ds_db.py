@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import load_adapter, load_row_block
+from ._triton_common import let_next_kernel_start, load_adapter, load_row_block, wait_for_previous_kernel
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, takes_one_pass
 from .row_reduce import _store_chunk_sum, chunk_sum, lora_row_reduce
 from .shrink import lora_shrink
@@ -105,7 +105,10 @@ def _ds_sum_kernel(
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program: a divisor of the tile height (grid axis 1 covers the tile)
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
+    wait_for_previous_kernel(PDL)  # the pass over dY wrote the partials
+    let_next_kernel_start(PDL)  # the dX GEMM reads dS only once its K loop is done
     tile = tl.program_id(0)
     adapter, row_start, row_end = load_row_block(tiles_ptr, tile)
     row_start += tl.program_id(1) * BLOCK_M
@@ -163,7 +166,7 @@ def lora_ds_db(
     sum_m = min(32, cfg.block_m)
     _ds_sum_kernel[(meta.n_tiles, cfg.block_m // sum_m)](
         ds_part, ds, *meta.args(), M, meta.rank_stride, n_col_blocks, ds.stride(0),
-        BLOCK_M=sum_m, num_warps=4, **common)
+        BLOCK_M=sum_m, PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl, **common)
     if not direct:
         chunk_sum(db_part, db, meta, N, meta.block_r, out_is_b=True)
 

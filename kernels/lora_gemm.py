@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._triton_common import load_adapter, load_keep_mask, load_row_block
+from ._triton_common import load_adapter, load_keep_mask, load_row_block, wait_for_previous_kernel
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, KernelConfig, LoRABatchMeta, cdiv, sm_count, tma_ready
 
@@ -75,6 +75,7 @@ def _lora_gemm_kernel(
     K_STAGES: tl.constexpr,  # software-pipeline depth of the K loop
     WARP_SPECIALIZE: tl.constexpr,  # split the K loop's warps into loaders and MMA issuers
     LORA_LAST: tl.constexpr,  # the LoRA term after the K loop (no mask)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
     """The fused path: out = the row block's LoRA terms + the base GEMM (+ bias), written once."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -88,6 +89,7 @@ def _lora_gemm_kernel(
         if LORA_LAST:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
+            wait_for_previous_kernel(PDL)  # it wrote S or dS
             acc, _ = _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,
                                 first_tile, end_tile, offs_m, n0, N, n_groups, stride_sm, FORWARD, OUT_DROPOUT,
                                 SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
@@ -99,6 +101,9 @@ def _lora_gemm_kernel(
             else:
                 acc = tl.dot(at, w_desc.load([ki * BLOCK_K, n0]), acc)
         if LORA_LAST:  # tile by tile: each of the block's adapters adds its rows' term
+            # The K loop read only x (dY) and W, written before the kernel before this one
+            # (the shrink or the dS sum) started; its S (dS) is read from here on.
+            wait_for_previous_kernel(PDL)
             for tile in tl.range(first_tile, end_tile, num_stages=1):
                 rank, _, r_offset, scale, _, rows = _tile_of_block(tiles_ptr, adapters_i_ptr, adapters_f_ptr,
                                                                    seeds_ptr, tile, offs_m, N_INT_COLS, N_FLOAT_COLS)
@@ -301,6 +306,7 @@ def lora_gemm(
                                out.stride(0),
                                HAS_BIAS=bias is not None, BLOCK_K=cfg.gemm_block_k, K_STAGES=cfg.gemm_stages,
                                WARP_SPECIALIZE=warp_specialize, LORA_LAST=cfg.lora_term_last and not out_dropout,
+                               PDL=cfg.pdl, launch_pdl=cfg.pdl,
                                num_warps=cfg.gemm_warps, **common)
     return out
 

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, keep_nibbles, load_adapter,
-                             load_row_block, nibbles_to_mask, store_nibbles)
+from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, keep_nibbles, let_next_kernel_start,
+                             load_adapter, load_row_block, nibbles_to_mask, store_nibbles, wait_for_previous_kernel)
 from .dropout import dropout_keep_mask
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
 
@@ -54,7 +54,10 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,  # rank columns per program; grid axis 2 covers the largest rank
     FIT_RANK_BLOCK: tl.constexpr,  # each adapter's program takes the smallest rank block holding its rank
     BLOCK_K: tl.constexpr,  # reduction step over K
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
+    wait_for_previous_kernel(PDL)  # it packed the adapters, or wrote dY
+    let_next_kernel_start(PDL)  # the fused GEMM reads S only once its K loop is done
     adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
     row_start += tl.program_id(1) * BLOCK_M  # this program's sub-tile
     pid_r = tl.program_id(2)
@@ -151,8 +154,10 @@ def lora_shrink(
         BLOCK_R=meta.block_r,
         FIT_RANK_BLOCK=cfg.fit_rank_block,
         BLOCK_K=meta.shrink_block_k,
+        PDL=cfg.pdl,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.shrink_stages if has_dropout else cfg.shrink_stages_no_dropout,
+        launch_pdl=cfg.pdl,
     )
     return out
 

@@ -8,6 +8,7 @@ eager calls. Skipped without a GPU; run it on one with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -93,8 +94,9 @@ def test_packed_adapters_equal_torch_bit_for_bit(ranks, in_f, out_f):
     ([700, 5, 2100], [128, 3, 64], 3584, 4096),
     ([700, 300], [16, 30], 999, 745),
 ])
-def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f):
-    from lora_sweep.kernels import reference_multi_lora_linear, triton_multi_lora_linear
+@pytest.mark.parametrize("pdl", [False, True])  # programmatic dependent launch (`KernelConfig.pdl`)
+def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f, pdl):
+    from lora_sweep.kernels import metadata, reference_multi_lora_linear, triton_multi_lora_linear
 
     torch.manual_seed(sum(seg_lens))
     x = torch.randn(sum(seg_lens), in_f, device="cuda", dtype=torch.float64)
@@ -113,7 +115,8 @@ def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f):
         grads = torch.autograd.grad(y, [xs] + a + b, dy.to(dtype), allow_unused=True)
         return [y] + [g for g in grads]
 
-    got = run(triton_multi_lora_linear, torch.bfloat16, torch.float32)
+    config = dataclasses.replace(metadata.config_for(max(ranks), True, True), pdl=pdl)
+    got = run(functools.partial(triton_multi_lora_linear, config=config), torch.bfloat16, torch.float32)
     want = run(reference_multi_lora_linear, torch.float64, torch.float64)
     # adapters of 64 rows or more: the gradient of a few rows is a handful of bf16 dot products,
     # whose cancellation alone can put it 1% off (an adapter without rows gets none)
@@ -146,7 +149,11 @@ def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
     calls = {"fused_base": (fused, 0.0), "cublas_base": (cublas, 0.0), "dropout": (fused, 0.1),
              "two_passes_over_dy": (dataclasses.replace(fused, one_pass_dy=False), 0.0),
              "one_pass_over_dy": (dataclasses.replace(fused, one_pass_dy=True), 0.0),
-             "reductions_in_line": (dataclasses.replace(fused, overlap_reductions=False), 0.1)}
+             "reductions_in_line": (dataclasses.replace(fused, overlap_reductions=False), 0.1),
+             # programmatic dependent launch: the GEMMs start before the shrink or the dS sum ends
+             "pdl": (dataclasses.replace(fused, pdl=True), 0.0),
+             "pdl_dropout": (dataclasses.replace(fused, pdl=True), 0.1),
+             "pdl_two_passes_over_dy": (dataclasses.replace(fused, pdl=True, one_pass_dy=False), 0.0)}
 
     def step(config, p, dy):
         y = triton_multi_lora_linear(x, weight, None, lora_a, lora_b, [2.0, 1.0, 0.5, 4.0], [p] * len(ranks),

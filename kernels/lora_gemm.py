@@ -20,6 +20,11 @@ runs within 3-5% of cuBLAS, where pointer-based loads reached ~75%. `_lora_add_k
 a base product cuBLAS already wrote to `out` (one extra read and write of it): for operands
 TMA cannot describe, and for 32-bit inputs, whose fused dot would run in TF32.
 
+On Hopper the GEMM is launched with programmatic dependent launch (`KernelConfig.pdl`): it
+may start while the kernel before it (the shrink that writes S, or the sum that writes dS)
+still runs, on the SMs that kernel leaves free, and its K loop reads only x (dY) and W;
+it waits for that kernel before it reads S (dS) or writes anything.
+
 The LoRA MMAs run on the base operand's dtype (bf16 on GPU: S/dS are stored in it and the
 adapters are packed in it per call) with fp32 accumulation. The rank loop steps over each
 tile's own adapter's rank, so small ranks are not padded to the pack's largest one.

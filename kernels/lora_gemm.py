@@ -16,14 +16,15 @@ loop, as until v27, made no difference at one clock). dX's masked term (the nibb
 forward shrink stored) is computed first, before the accumulator holds anything else:
 masking it later would take a second accumulator. Its base operands arrive through TMA
 descriptors (Hopper's bulk tensor copies, zero-filled past the edges): with them the GEMM
-runs within 3-5% of cuBLAS, where pointer-based loads reached ~75%. `_lora_add_kernel` instead adds the LoRA term in place to
-a base product cuBLAS already wrote to `out` (one extra read and write of it): for operands
-TMA cannot describe, and for 32-bit inputs, whose fused dot would run in TF32.
+runs within 3-5% of cuBLAS, where pointer-based loads reached ~75%. `_lora_add_kernel`
+instead adds the LoRA term in place to a base product cuBLAS already wrote to `out` (one
+extra read and write of it): for operands TMA cannot describe, and for 32-bit inputs, whose
+fused dot would run in TF32.
 
 On Hopper the GEMM is launched with programmatic dependent launch (`KernelConfig.pdl`): it
-may start while the kernel before it (the shrink that writes S, or the sum that writes dS)
-still runs, on the SMs that kernel leaves free, and its K loop reads only x (dY) and W;
-it waits for that kernel before it reads S (dS) or writes anything.
+may start while the kernel before it (the one that writes S or dS: a shrink, or the sum of
+dS's partials) still runs, on the SMs that kernel leaves free, and its K loop reads only x
+(dY) and W; it waits for that kernel before it reads S (dS) or writes anything.
 
 The LoRA MMAs run on the base operand's dtype (bf16 on GPU: S/dS are stored in it and the
 adapters are packed in it per call) with fp32 accumulation. The rank loop steps over each

@@ -57,10 +57,7 @@ def _ds_db_kernel(
     BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,  # columns of dY per program
     BLOCK_R: tl.constexpr,  # >= the pack's largest rank: one rank block
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
-    wait_for_previous_kernel(PDL)
-    let_next_kernel_start(PDL)
     chunk = tl.program_id(0)
     pid_n = tl.program_id(1)
     adapter, row_start, row_end = load_row_block(chunks_ptr, chunk)
@@ -162,10 +159,8 @@ def lora_ds_db(
         DIRECT=direct,
         BLOCK_M=cfg.db_block_m,
         BLOCK_N=cfg.ds_db_block_n,
-        PDL=cfg.pdl,
         num_warps=cfg.ds_db_warps,
         num_stages=cfg.reduce_stages,
-        launch_pdl=cfg.pdl,
         **common,
     )
     sum_m = min(32, cfg.block_m)

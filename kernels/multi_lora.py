@@ -89,7 +89,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         x = x.contiguous()
         n = len(adapters) // 2
         if n:
-            a_pack, bt_pack = pack_adapters(adapters[:n], adapters[n:], x.dtype, pdl=meta.config.pdl)
+            a_pack, bt_pack = pack_adapters(adapters[:n], adapters[n:], x.dtype)
         else:  # no LoRA rows at all: the kernels have nothing to read
             a_pack, bt_pack = x.new_empty(0, x.shape[1]), x.new_empty(0, weight.shape[0])
         s = torch.empty(x.shape[0], meta.rank_stride, device=x.device, dtype=x.dtype)  # (tokens, rank)

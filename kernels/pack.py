@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import let_next_kernel_start, wait_for_previous_kernel
 from .metadata import cdiv, device_table
 
 _TABLE_COLS = 4  # address, rank, r_offset, is_b
@@ -44,12 +43,9 @@ def _pack_kernel(
     TABLE_COLS: tl.constexpr,  # the table's width, _TABLE_COLS
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
     """One tile of one source, BLOCK_R of its ranks by BLOCK_C columns of the packed matrix:
     A[r_offset_i + r, c] = A_i[r, c], or B^T[r_offset_i + r, c] = B_i[c, r]."""
-    wait_for_previous_kernel(PDL)  # the optimizer may have just written the adapters
-    let_next_kernel_start(PDL)
     source = tl.program_id(1)
     rank = tl.load(table_ptr + source * TABLE_COLS + 1)
     is_b = tl.load(table_ptr + source * TABLE_COLS + 3) != 0
@@ -79,12 +75,11 @@ def _address_table(rows: tuple, device: torch.device) -> torch.Tensor:
 
 
 def pack_into(a_pack: torch.Tensor, bt_pack: torch.Tensor, lora_a: Sequence[torch.Tensor],
-              lora_b: Sequence[torch.Tensor], block: int = 64, pdl: bool = False) -> None:
+              lora_b: Sequence[torch.Tensor], block: int = 64) -> None:
     """Write each A_i into rows r_offset_i.. of `a_pack` and each B_i^T into those of
     `bt_pack`, in one kernel. Either list may be empty, which leaves its matrix alone. A source
     that is not contiguous is copied first; its copy's address then misses the table cache,
-    which costs a host-to-device copy per call (one a CUDA graph cannot capture). `pdl`:
-    launched with programmatic dependent launch (`KernelConfig.pdl`)."""
+    which costs a host-to-device copy per call (one a CUDA graph cannot capture)."""
     lora_a, lora_b = [t.contiguous() for t in lora_a], [t.contiguous() for t in lora_b]
     sources = lora_a + lora_b
     if not sources:
@@ -98,18 +93,17 @@ def pack_into(a_pack: torch.Tensor, bt_pack: torch.Tensor, lora_a: Sequence[torc
     n_cols = max(a_pack.shape[1] if lora_a else 0, bt_pack.shape[1] if lora_b else 0)
     grid = (cdiv(n_cols, block), len(sources), cdiv(max(r for _, r, _, _ in rows), block))
     _pack_kernel[grid](table, sources[0], a_pack, bt_pack, a_pack.shape[1], bt_pack.shape[1],
-                       TABLE_COLS=_TABLE_COLS, BLOCK_C=block, BLOCK_R=block, PDL=pdl, launch_pdl=pdl)
+                       TABLE_COLS=_TABLE_COLS, BLOCK_C=block, BLOCK_R=block)
 
 
 @torch.no_grad()
-def pack_adapters(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], dtype: torch.dtype,
-                  pdl: bool = False):
+def pack_adapters(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor], dtype: torch.dtype):
     """(A [R_total, in], B^T [R_total, out]) in `dtype`, adapter i from row r_offset_i.
     `lora_a`, `lora_b`: the adapters with rows, in order (A_i [r_i, in], B_i [out, r_i])."""
     r_total = sum(a.shape[0] for a in lora_a)
     a_pack = lora_a[0].new_empty(r_total, lora_a[0].shape[1], dtype=dtype)
     bt_pack = lora_b[0].new_empty(r_total, lora_b[0].shape[0], dtype=dtype)
-    pack_into(a_pack, bt_pack, lora_a, lora_b, pdl=pdl)
+    pack_into(a_pack, bt_pack, lora_a, lora_b)
     return a_pack, bt_pack
 
 

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, let_next_kernel_start, load_adapter,
-                             load_keep_mask, load_row_block, wait_for_previous_kernel)
+from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, load_adapter, load_keep_mask,
+                             load_row_block)
 from .dropout import dropout_keep_mask
 from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, reduce_grid, reduce_rank_block,
                        tma_ready)
@@ -88,10 +88,7 @@ def _row_reduce_kernel(
     SPREAD_MASK: tl.constexpr,  # dA reads the keep-mask spread over x's columns (`load_keep_mask`)
     RANK_FASTEST: tl.constexpr,  # grid (rank block, chunk, column block), else (chunk, column block, rank block)
     U_TMA: tl.constexpr,  # u's tiles through u_desc, else through pointers
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
-    wait_for_previous_kernel(PDL)
-    let_next_kernel_start(PDL)
     if RANK_FASTEST:
         # a chunk's rank blocks run side by side, so the second reads u's tile from L2
         pid_r, chunk, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -189,10 +186,7 @@ def _chunk_sum_kernel(
     CHUNK_FIRST_COL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
-    wait_for_previous_kernel(PDL)
-    let_next_kernel_start(PDL)
     adapter = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -264,10 +258,8 @@ def lora_row_reduce(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_R=block_r,
-        PDL=cfg.pdl,
         num_warps=warps,
         num_stages=cfg.reduce_stages,
-        launch_pdl=cfg.pdl,
     )
     if not direct:
         chunk_sum(part, out, meta, N, block_r, out_is_b)
@@ -292,9 +284,7 @@ def chunk_sum(part: torch.Tensor, out: torch.Tensor, meta: LoRABatchMeta, N: int
         CHUNK_FIRST_COL=_CHUNK_FIRST_COL,
         BLOCK_N=block_n,
         BLOCK_R=block_r,
-        PDL=meta.config.pdl,
         num_warps=4,
-        launch_pdl=meta.config.pdl,
     )
 
 

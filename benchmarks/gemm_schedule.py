@@ -25,6 +25,10 @@ term S @ L added, one adapter per row block) in CUDA graphs, their replays inter
   flat_lora_*     flat_tma_store with the rank-16 term: after the K loop (last), under an
                   `if` on a table's rank (last_if), with loads masked by that rank
                   (last_masked), or before the K loop (first, first_masked)
+  gluon           a persistent GEMM in Gluon whose loads are pipelined by hand across tiles
+                  (`gluon_gemm.py`); gluon_lora_last and gluon_lora_first add the rank-16
+                  term after or before the K steps, as one more asynchronous wgmma;
+                  gluon_ws* the same with one warp loading and eight multiplying
 
 Every variant uses the fused GEMM's blocks: 128x256x64, 8 warps, 3 stages, GROUP_M 8.
 """
@@ -44,6 +48,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels as bench  # noqa: E402  (benchmarks/kernels.py: interleaved_ms, rel_err)
+try:  # Gluon's Hopper module, where this Triton has it
+    from gluon_gemm import gluon_gemm, gluon_ws_gemm  # noqa: E402
+except ImportError as e:
+    gluon_gemm, GLUON_ERROR = None, f"{type(e).__name__}: {e}"
 from lora_sweep.kernels import metadata as meta_mod  # noqa: E402
 from lora_sweep.kernels.lora_gemm import lora_gemm  # noqa: E402
 
@@ -179,6 +187,10 @@ VARIANTS = {  # name: (FLATTEN, WS, TMA_STORE, LORA, LORA_FIRST, CHAIN)
     "flat_lora_first": (True, False, True, 1, True, 0),
     "flat_lora_first_masked": (True, False, True, 3, True, 0),
 }
+GLUON_VARIANTS = {  # name: (warp-specialised, LORA)
+    "gluon": (False, 0), "gluon_lora_last": (False, 1), "gluon_lora_first": (False, 2),
+    "gluon_ws": (True, 0), "gluon_ws_lora_last": (True, 1), "gluon_ws_lora_first": (True, 2),
+}
 
 
 def plain_gemm(a, w, out, forward, flatten, ws, tma_store, n_sms, lora=0, lora_first=False, s=None, lt=None,
@@ -200,7 +212,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemm_schedule.json")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--variants", default="", help="comma-separated names to time beside cublas and ours "
+                    "(default: all)")
     args = ap.parse_args()
+    wanted = set(filter(None, args.variants.split(",")))
+    variants = {k: v for k, v in VARIANTS.items() if not wanted or k in wanted}
+    gluon_variants = {k: v for k, v in GLUON_VARIANTS.items() if not wanted or k in wanted}
     device = torch.device("cuda")
     n_sms = torch.cuda.get_device_properties(device).multi_processor_count
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -228,7 +245,7 @@ def main():
         outs["ours"] = torch.empty(tokens, n_dim, device=device, dtype=torch.bfloat16)
         fns["ours"] = lambda: lora_gemm(a, w, None, s, pack, outs["ours"], meta, forward=forward, fused_base=True)
         row = dict(tokens=tokens, k=k_dim, n=n_dim, direction=direction, errors={}, rel_err={})
-        for name, (flatten, ws, tma_store, lora, lora_first, chain) in VARIANTS.items():
+        for name, (flatten, ws, tma_store, lora, lora_first, chain) in variants.items():
             out = torch.empty(tokens, n_dim, device=device, dtype=torch.bfloat16)
 
             def run(out=out, flatten=flatten, ws=ws, tma_store=tma_store, lora=lora, lora_first=lora_first,
@@ -242,9 +259,26 @@ def main():
                 row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
                 continue
             fns[name], outs[name] = run, out
+        for name, (ws, lora) in gluon_variants.items():
+            if gluon_gemm is None:
+                row["errors"][name] = GLUON_ERROR
+                continue
+            out = torch.empty(tokens, n_dim, device=device, dtype=torch.bfloat16)
+
+            def run(out=out, ws=ws, lora=lora):
+                (gluon_ws_gemm if ws else gluon_gemm)(a, w, out, forward, n_sms, s_lora, l_lora, lora=lora)
+            try:
+                run()
+                torch.cuda.synchronize()
+            except Exception as e:  # recorded, not fatal
+                row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
+                continue
+            print(f"  {name}: ran", flush=True)  # a hand-built pipeline that deadlocks stops here
+            fns[name], outs[name] = run, out
+        with_lora = {n for n, v in VARIANTS.items() if v[3]} | {n for n, v in GLUON_VARIANTS.items() if v[1]}
         for name, out in outs.items():
             fns[name]()
-            row["rel_err"][name] = bench.rel_err(out, ref_lora if VARIANTS.get(name, (0,) * 6)[3] else ref)
+            row["rel_err"][name] = bench.rel_err(out, ref_lora if name in with_lora else ref)
         ms, errors = bench.interleaved_ms(fns, args.rounds)
         row["errors"].update(errors)
         row["ms"] = ms
@@ -256,11 +290,14 @@ def main():
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     print("\nover cuBLAS (median of replays, interleaved):")
-    names = [n for n in ["ours", *VARIANTS] if any(n in r["over_cublas"] for r in res["rows"])]
+    names = [n for n in ["ours", *VARIANTS, *GLUON_VARIANTS] if any(n in r["over_cublas"] for r in res["rows"])]
     print("case".ljust(26) + "".join(n.rjust(24) for n in names))
     for r in res["rows"]:
         print(f"{r['direction']} {r['tokens']} {r['k']}x{r['n']}".ljust(26) +
               "".join((f"{r['over_cublas'][n]:.3f}" if n in r["over_cublas"] else "-").rjust(24) for n in names))
+    print("largest error".ljust(26) + "".join(
+        f"{max((r['rel_err'][n] for r in res['rows'] if n in r['rel_err']), default=float('nan')):.1e}".rjust(24)
+        for n in names))
 
 
 if __name__ == "__main__":

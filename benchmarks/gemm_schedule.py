@@ -11,7 +11,8 @@ term S @ L added, one adapter per row block) in CUDA graphs, their replays inter
 (`kernels.interleaved_ms`), written here without the fused GEMM's tables:
 
   cublas          torch's matmul
-  ours            `lora_gemm` with no adapter: the fused GEMM as the layer runs it
+  ours            `lora_gemm` with no adapter: the fused GEMM as the layer runs it in a graph
+                  (on Hopper the Gluon kernel since v28); ours_triton its Triton kernel
   nested          its loop nest without the LoRA term: persistent, the K loop pipelined, the
                   epilogue after it
   nested_chain3   the same, reading a value for the epilogue before the K loop through three
@@ -36,6 +37,7 @@ Every variant uses the fused GEMM's blocks: 128x256x64, 8 warps, 3 stages, GROUP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -244,6 +246,13 @@ def main():
         pack = torch.zeros(1, n_dim, device=device, dtype=torch.bfloat16)
         outs["ours"] = torch.empty(tokens, n_dim, device=device, dtype=torch.bfloat16)
         fns["ours"] = lambda: lora_gemm(a, w, None, s, pack, outs["ours"], meta, forward=forward, fused_base=True)
+        if cfg.gluon_gemm != "never":  # the library's Triton GEMM beside its Gluon one (Hopper, graphs)
+            meta_triton = meta_mod.LoRABatchMeta.build(
+                [tokens], [None], [None], [1.0], [0.0], [0], k_dim if forward else n_dim, n_dim if forward else k_dim,
+                device, dataclasses.replace(cfg, gluon_gemm="never"))
+            outs["ours_triton"] = torch.empty(tokens, n_dim, device=device, dtype=torch.bfloat16)
+            fns["ours_triton"] = lambda: lora_gemm(a, w, None, s, pack, outs["ours_triton"], meta_triton,
+                                                   forward=forward, fused_base=True)
         row = dict(tokens=tokens, k=k_dim, n=n_dim, direction=direction, errors={}, rel_err={})
         for name, (flatten, ws, tma_store, lora, lora_first, chain) in variants.items():
             out = torch.empty(tokens, n_dim, device=device, dtype=torch.bfloat16)
@@ -290,7 +299,8 @@ def main():
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     print("\nover cuBLAS (median of replays, interleaved):")
-    names = [n for n in ["ours", *VARIANTS, *GLUON_VARIANTS] if any(n in r["over_cublas"] for r in res["rows"])]
+    names = [n for n in ["ours", "ours_triton", *VARIANTS, *GLUON_VARIANTS]
+             if any(n in r["over_cublas"] for r in res["rows"])]
     print("case".ljust(26) + "".join(n.rjust(24) for n in names))
     for r in res["rows"]:
         print(f"{r['direction']} {r['tokens']} {r['k']}x{r['n']}".ljust(26) +

@@ -398,6 +398,8 @@ def section_check(res, device):
                           seed=100 + ci, seg_lens=c["seg_lens"], none_every=c.get("none_every", 0))
             max_rank = max([a.shape[0] for a in p["lora_a"] if a is not None], default=0)
             cfg = meta_mod.config_for(max_rank, not DRY, fused_base)
+            if cfg.gluon_gemm != "never":  # checked eagerly here, the GEMM that graphs run on Hopper (v28)
+                cfg = dataclasses.replace(cfg, gluon_gemm="always")
             # poison: freed blocks the kernels' outputs will reuse hold NaN
             junk = torch.full((sum(c["seg_lens"]) * max(c["in_f"], c["out_f"]) * 4,), float("nan"), device=device,
                               dtype=torch.bfloat16)
@@ -507,6 +509,10 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     other_pdl = dataclasses.replace(default, pdl=not default.pdl)
                     graphed["fused_other_pdl"] = (lambda q: m_fused(q, other_pdl), p)
                     graphed["fused_dropout_other_pdl"] = (lambda q: m_fused(q, other_pdl), pd)
+                if default.gluon_gemm != "never":  # the fused GEMMs in Triton where Gluon's run by default (v28)
+                    triton_gemm = dataclasses.replace(default, gluon_gemm="never")
+                    graphed["fused_triton_gemm"] = (lambda q: m_fused(q, triton_gemm), p)
+                    graphed["fused_dropout_triton_gemm"] = (lambda q: m_fused(q, triton_gemm), pd)
                 if max(in_f, out_f) >= default.gemm_ws_min_n:  # no warp-specialised K loop at this width
                     no_ws = dataclasses.replace(default, gemm_ws_min_n=1 << 30)
                     graphed["fused_no_ws"] = (lambda q: m_fused(q, no_ws), p)
@@ -541,7 +547,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                       f"{row.get('fused_lora_first_graphed') or 0:.3f}; dX per tile "
                       f"{row.get('fused_per_tile_dx_graphed') or 0:.3f}; other PDL "
                       f"{row.get('fused_other_pdl_graphed') or 0:.3f}, p=.05 "
-                      f"{row.get('fused_dropout_other_pdl_graphed') or 0:.3f}; no WS "
+                      f"{row.get('fused_dropout_other_pdl_graphed') or 0:.3f}; Triton GEMM "
+                      f"{row.get('fused_triton_gemm_graphed') or 0:.3f}, p=.05 "
+                      f"{row.get('fused_dropout_triton_gemm_graphed') or 0:.3f}; no WS "
                       f"{row.get('fused_no_ws_graphed') or 0:.3f}; in place "
                       f"{row.get('fused_in_place_graphed') or 0:.3f}; p=.05 "
                       f"{row.get('fused_dropout_graphed') or 0:.3f}, mask joined "
@@ -678,6 +686,7 @@ GEMM_VARIANTS = {
     "per_tile_dx": dict(gemm_persistent_dx=False),  # dX one program per tile, as until v24
     "no_ws": dict(gemm_ws_min_n=1 << 30),  # no warp specialisation at any width
     "pdl": dict(pdl=True),  # launched with programmatic dependent launch (Hopper on; here after a torch kernel)
+    "triton_gemm": dict(gluon_gemm="never"),  # the Triton GEMM where the Gluon one runs by default (Hopper, v28)
 }
 
 
@@ -1310,6 +1319,9 @@ def summarize(res):
                 # the default's programmatic dependent launch against the other choice (v27)
                 ("graphed_default_over_other_pdl", "fused", "fused_other_pdl", False),
                 ("graphed_dropout_default_over_other_pdl", "fused_dropout", "fused_dropout_other_pdl", False),
+                # the fused GEMMs in Gluon on Hopper (Y, and dX without dropout) against Triton (v28)
+                ("graphed_gluon_over_triton_gemm", "fused", "fused_triton_gemm", False),
+                ("graphed_dropout_gluon_over_triton_gemm", "fused_dropout", "fused_dropout_triton_gemm", False),
                 # the GEMMs' K loops warp-specialised where the output is wide, against never (v27)
                 ("graphed_ws_over_no_ws", "fused", "fused_no_ws", False),
                 # the dX GEMM persistent (v24), against one program per tile

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -62,6 +63,11 @@ class KernelConfig:
     # kernel that writes S or dS still runs, and wait for it only before the LoRA term;
     # 1.3% less layer time at 2048 tokens, 0.6% at 16384 (median, KERNELS_NOTES v27)
     pdl: bool = False
+    # on Hopper, the fused GEMM without a dropout mask (Y; dX where no adapter drops) in Gluon,
+    # warp-specialised with its loads pipelined across tiles (lora_gemm_gluon.py, KERNELS_NOTES v28):
+    # "never", "in_graphs" (while a CUDA graph is captured: its launch costs the host about 0.14 ms
+    # more than the Triton kernel's, which an eager call, host-bound, would pay every time) or "always"
+    gluon_gemm: str = "never"
     # the LoRA term added in place to a cuBLAS product
     add_block_n: int = 128
     add_warps: int = 4
@@ -124,6 +130,17 @@ def cdiv(a: int, b: int) -> int:
 def hopper_or_newer() -> bool:
     """Whether the current CUDA device has programmatic dependent launch (compute capability 9.0 on)."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _gluon_gemm_runs() -> bool:
+    """Whether the Gluon GEMM can run here: a Hopper GPU (sm_90; its wgmma and register
+    budget are Hopper's) and a Triton with Gluon's Hopper language."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        return False
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 @functools.lru_cache(maxsize=8)
@@ -258,7 +275,8 @@ def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelCo
         # The in-place add (for operands TMA cannot read) gets 8 warps for its 128-row tiles:
         # the registers per thread of the 64-row, 4-warp config.
         return KernelConfig(block_m=FUSED_BLOCK_M, gemm_block_n=256, gemm_block_k=64, gemm_warps=8, gemm_stages=3,
-                            fused_base=True, add_block_n=128, add_warps=8, pdl=hopper_or_newer(), **shared)
+                            fused_base=True, add_block_n=128, add_warps=8, pdl=hopper_or_newer(),
+                            gluon_gemm="in_graphs" if _gluon_gemm_runs() else "never", **shared)
     # cuBLAS base GEMMs plus the LoRA term added in place: its adds ran 5-15% faster on 64-row
     # tiles than on 128-row ones (v5).
     return KernelConfig(block_m=64, fused_base=False, add_block_n=128, add_warps=4, **shared)

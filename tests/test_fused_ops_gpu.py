@@ -1,7 +1,8 @@
 """On CUDA: the model-level kernels (RMSNorm, SiLU(gate) * up, the chunk cross-entropy) and
 the packed multi-LoRA layer in bf16 against a float64 reference on fresh random inputs,
-outputs and gradients, relative error (Frobenius) below 1e-2; the adapters' packing bit for
-bit against torch's; CUDA graphs of the layer, several alive at once, bit for bit against
+outputs and gradients, relative error (Frobenius) below 1e-2, with the fused GEMMs in Triton
+and, on Hopper, in Gluon; a diverged adapter's rows kept to itself by the Gluon GEMM; the
+adapters' packing bit for bit against torch's; CUDA graphs of the layer, several alive at once, bit for bit against
 eager calls. Skipped without a GPU; run it on one with
 `pytest tests/test_fused_ops_gpu.py`."""
 
@@ -87,6 +88,41 @@ def test_packed_adapters_equal_torch_bit_for_bit(ranks, in_f, out_f):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
+def _layer_grads(fn, x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds, dy, dtype, adapter_dtype):
+    """y and the gradients of x, each A_i and each B_i of one forward and backward."""
+    xs = x.detach().to(dtype, copy=True).requires_grad_(True)
+    a = [t.detach().to(adapter_dtype, copy=True).requires_grad_(True) for t in lora_a]
+    b = [t.detach().to(adapter_dtype, copy=True).requires_grad_(True) for t in lora_b]
+    y = fn(xs, weight.to(dtype), None if bias is None else bias.to(dtype), a, b, scales, dropout_p, seg_lens, seeds)
+    grads = torch.autograd.grad(y, [xs] + a + b, dy.to(dtype), allow_unused=True)
+    return [y] + [g for g in grads]
+
+
+def _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, p):
+    from lora_sweep.kernels import reference_multi_lora_linear, triton_multi_lora_linear
+
+    torch.manual_seed(sum(seg_lens))
+    x = torch.randn(sum(seg_lens), in_f, device="cuda", dtype=torch.float64)
+    weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.float64) / in_f ** 0.5
+    bias = torch.randn(out_f, device="cuda", dtype=torch.float64)
+    lora_a = [torch.randn(r, in_f, device="cuda", dtype=torch.float64) / in_f ** 0.5 for r in ranks]
+    lora_b = [torch.randn(out_f, r, device="cuda", dtype=torch.float64) / r ** 0.5 for r in ranks]  # not zeros
+    scales = [(2.0, 0.5, 1.0, 4.0, 0.25)[i % 5] for i in range(len(ranks))]
+    dropout_p, seeds = [p] * len(ranks), list(range(len(ranks)))
+    dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.float64)
+    args = (x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds, dy)
+    got = _layer_grads(functools.partial(triton_multi_lora_linear, config=config), *args, torch.bfloat16,
+                       torch.float32)
+    want = _layer_grads(reference_multi_lora_linear, *args, torch.float64, torch.float64)
+    # adapters of 64 rows or more: the gradient of a few rows is a handful of bf16 dot products,
+    # whose cancellation alone can put it 1% off (an adapter without rows gets none)
+    checked = [i for i, rows in enumerate(seg_lens) if rows >= 64]
+    n = len(ranks)
+    outputs = [("y", 0), ("dx", 1)] + [(f"dA{i}", 2 + i) for i in checked] + [(f"dB{i}", 2 + n + i) for i in checked]
+    for name, k in outputs:
+        assert rel_err(got[k], want[k]) < 1e-2, name
+
+
 # ranks within 16 take one pass over dY for dS and dB (ds_db.py), larger ones two passes; empty,
 # one-row and multi-chunk segments, dropout, a width TMA cannot read (in-place add)
 @pytest.mark.parametrize("seg_lens,ranks,in_f,out_f", [
@@ -96,35 +132,60 @@ def test_packed_adapters_equal_torch_bit_for_bit(ranks, in_f, out_f):
 ])
 @pytest.mark.parametrize("pdl", [False, True])  # programmatic dependent launch (`KernelConfig.pdl`)
 def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f, pdl):
-    from lora_sweep.kernels import metadata, reference_multi_lora_linear, triton_multi_lora_linear
-
-    torch.manual_seed(sum(seg_lens))
-    x = torch.randn(sum(seg_lens), in_f, device="cuda", dtype=torch.float64)
-    weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.float64) / in_f ** 0.5
-    bias = torch.randn(out_f, device="cuda", dtype=torch.float64)
-    lora_a = [torch.randn(r, in_f, device="cuda", dtype=torch.float64) / in_f ** 0.5 for r in ranks]
-    lora_b = [torch.randn(out_f, r, device="cuda", dtype=torch.float64) / r ** 0.5 for r in ranks]  # not zeros
-    scales, dropout_p, seeds = [2.0, 0.5, 1.0, 4.0, 0.25][: len(ranks)], [0.1] * len(ranks), list(range(len(ranks)))
-    dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.float64)
-
-    def run(fn, dtype, adapter_dtype):
-        xs = x.to(dtype).requires_grad_(True)
-        a = [t.to(adapter_dtype).requires_grad_(True) for t in lora_a]
-        b = [t.to(adapter_dtype).requires_grad_(True) for t in lora_b]
-        y = fn(xs, weight.to(dtype), bias.to(dtype), a, b, scales, dropout_p, seg_lens, seeds)
-        grads = torch.autograd.grad(y, [xs] + a + b, dy.to(dtype), allow_unused=True)
-        return [y] + [g for g in grads]
+    from lora_sweep.kernels import metadata
 
     config = dataclasses.replace(metadata.config_for(max(ranks), True, True), pdl=pdl)
-    got = run(functools.partial(triton_multi_lora_linear, config=config), torch.bfloat16, torch.float32)
-    want = run(reference_multi_lora_linear, torch.float64, torch.float64)
-    # adapters of 64 rows or more: the gradient of a few rows is a handful of bf16 dot products,
-    # whose cancellation alone can put it 1% off (an adapter without rows gets none)
-    checked = [i for i, rows in enumerate(seg_lens) if rows >= 64]
-    n = len(ranks)
-    outputs = [("y", 0), ("dx", 1)] + [(f"dA{i}", 2 + i) for i in checked] + [(f"dB{i}", 2 + n + i) for i in checked]
-    for name, k in outputs:
-        assert rel_err(got[k], want[k]) < 1e-2, name
+    _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, 0.1)
+
+
+_needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                   reason="the Gluon GEMM is written for Hopper (sm_90)")
+
+
+# Without dropout both fused GEMMs take the Gluon kernel: segments shorter than a row block (so
+# blocks hold several adapters' rows), ranks of one rank step of 16, of several, and ending
+# mid-step (1, 17, 70, 130, 200), a bias; the Triton GEMM in the same run for comparison
+@_needs_hopper
+@pytest.mark.parametrize("seg_lens,ranks,in_f,out_f", [
+    ([300, 5, 0, 77, 1, 2000, 130], [16, 1, 8, 17, 70, 130, 200], 4096, 4096),
+    ([1000, 24, 1000], [16, 16, 16], 3584, 18944),
+])
+@pytest.mark.parametrize("gluon", ["always", "never"])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gluon_gemm_bf16_against_float64(seg_lens, ranks, in_f, out_f, gluon, pdl):
+    from lora_sweep.kernels import metadata
+
+    config = dataclasses.replace(metadata.config_for(max(ranks), True, True), gluon_gemm=gluon, pdl=pdl)
+    _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, 0.0)
+
+
+@_needs_hopper
+def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself():
+    """Adapter 1's rows of x and dY are non-finite (a diverged trial), and they share row blocks
+    with adapters 0 and 2. Y, dX and the gradients of the others are bit for bit what they are
+    without adapter 1's rows poisoned: the LoRA term masks each tile's rows of S (dS)."""
+    from lora_sweep.kernels import metadata, triton_multi_lora_linear
+
+    torch.manual_seed(7)
+    seg_lens, ranks, in_f, out_f = [50, 40, 300], [16, 20, 8], 1024, 2048
+    x = torch.randn(sum(seg_lens), in_f, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) / in_f ** 0.5
+    lora_a = [torch.randn(r, in_f, device="cuda") / in_f ** 0.5 for r in ranks]
+    lora_b = [torch.randn(out_f, r, device="cuda") / r ** 0.5 for r in ranks]
+    config = dataclasses.replace(metadata.config_for(max(ranks), True, True), gluon_gemm="always")
+    fn = functools.partial(triton_multi_lora_linear, config=config)
+    args = (weight, None, lora_a, lora_b, [1.0, 2.0, 0.5], [0.0] * 3, seg_lens, [1, 2, 3])
+    clean = _layer_grads(fn, x, *args, dy, torch.bfloat16, torch.float32)
+    x[50:90], dy[50:90] = float("nan"), float("inf")
+    poisoned = _layer_grads(fn, x, *args, dy, torch.bfloat16, torch.float32)
+    others = torch.cat([torch.arange(0, 50), torch.arange(90, 390)]).cuda()
+    for k, name in ((0, "y"), (1, "dx")):
+        assert torch.equal(poisoned[k][others], clean[k][others]), name
+        assert not poisoned[k][50:90].isfinite().all(), name
+    for i in (0, 2):
+        assert torch.equal(poisoned[2 + i], clean[2 + i]), f"dA{i}"
+        assert torch.equal(poisoned[5 + i], clean[5 + i]), f"dB{i}"
 
 
 def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
@@ -146,6 +207,8 @@ def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
     lora_b = [(torch.randn(out_f, r, device="cuda") / r ** 0.5).requires_grad_(True) for r in ranks]
     params = [x] + [t for i, t in enumerate(lora_a + lora_b) if seg_lens[i % len(ranks)]]
     fused, cublas = (metadata.config_for(max(ranks), True, fuse_base) for fuse_base in (True, False))
+    # the same GEMM eagerly as in the graph: on Hopper the Gluon one (by default it runs in graphs only)
+    fused = dataclasses.replace(fused, gluon_gemm="never" if fused.gluon_gemm == "never" else "always")
     calls = {"fused_base": (fused, 0.0), "cublas_base": (cublas, 0.0), "dropout": (fused, 0.1),
              "two_passes_over_dy": (dataclasses.replace(fused, one_pass_dy=False), 0.0),
              "one_pass_over_dy": (dataclasses.replace(fused, one_pass_dy=True), 0.0),
@@ -153,7 +216,10 @@ def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
              # programmatic dependent launch: the GEMMs start before the shrink or the dS sum ends
              "pdl": (dataclasses.replace(fused, pdl=True), 0.0),
              "pdl_dropout": (dataclasses.replace(fused, pdl=True), 0.1),
-             "pdl_two_passes_over_dy": (dataclasses.replace(fused, pdl=True, one_pass_dy=False), 0.0)}
+             "pdl_two_passes_over_dy": (dataclasses.replace(fused, pdl=True, one_pass_dy=False), 0.0),
+             # the fused GEMMs in Triton where the Gluon one would run (Hopper, no dropout)
+             "triton_gemm": (dataclasses.replace(fused, gluon_gemm="never"), 0.0),
+             "triton_gemm_pdl": (dataclasses.replace(fused, gluon_gemm="never", pdl=True), 0.0)}
 
     def step(config, p, dy):
         y = triton_multi_lora_linear(x, weight, None, lora_a, lora_b, [2.0, 1.0, 0.5, 4.0], [p] * len(ranks),

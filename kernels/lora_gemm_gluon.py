@@ -1,0 +1,284 @@
+"""The fused base GEMM of `lora_gemm.py` for Hopper, written in Gluon: one warp loads, eight
+multiply, and the LoRA term is one more wgmma on the tile's accumulator.
+
+    Y  = x @ W^T + bias + scale_i * S @ B_i^T       (forward)
+    dX = dY @ W + dS @ A_i                          (backward, no adapter with dropout)
+
+Triton's own pipeliner keeps a persistent GEMM's loads flowing across tiles only while its
+loop holds one dot; with the LoRA dot after the K steps it stops pipelining, and the nested
+loop the Triton kernel keeps instead pays each tile's pipeline fill and epilogue: 3-6% over
+cuBLAS where K is 3584-4096 (KERNELS_NOTES v26, v27). Here the schedule is written out. A
+loading warp runs through every (tile, K step) the program owns and fills a ring of
+STAGES shared buffers as the MMA warps free them, so the next tile's first operands arrive
+under this tile's last steps and its epilogue. After the K steps it loads the tile's LoRA
+operands, one rank step of 16 at a time, into a buffer of their own: the row block's rows of
+S and the adapter's 16 rows of the packed B^T (A). The MMA warps mask them (the block's rows
+of other adapters, the rank's end: another adapter's values, NaN included, never reach this
+one's rows), scale S by scale_i (forward), and add them with one wgmma whose first operand
+comes from registers. The tile leaves through TMA while the next one starts.
+
+As plain GEMMs with a rank-16 term, on an H200 at one clock, this schedule took 0.98-1.05x
+cuBLAS's time where the Triton kernel took 1.03-1.06x (`benchmarks/gemm_schedule.py`,
+`gluon_ws_lora_last`, KERNELS_NOTES v28); the layer took 0.96x its time with the Triton
+GEMM at 16384 tokens, 0.99x at 2048. `lora_gemm` runs it on Hopper while a CUDA graph is
+captured (`KernelConfig.gluon_gemm="in_graphs"`): its launch builds five TMA descriptors on
+the host, where eager calls are host-bound. dX with dropout (a masked term, added before the
+K steps) stays on the Triton kernel.
+
+Gluon kernels do not run under TRITON_INTERPRET=1: CI checks the Triton kernel on the CPU,
+and the GPU tests check this one against float64 (`tests/test_fused_ops_gpu.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, sm_count
+
+try:  # Gluon's Hopper language, where this Triton has it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - the Triton path runs instead
+    gluon = None
+
+RANK_STEP = 16  # rank rows per LoRA wgmma: bf16's K per instruction
+
+
+if gluon is not None:
+    _RANK = gl.constexpr(ADAPTER_INT_COLS.index("rank"))
+    _R_OFFSET = gl.constexpr(ADAPTER_INT_COLS.index("r_offset"))
+    _SCALE = gl.constexpr(ADAPTER_FLOAT_COLS.index("scale"))
+    _N_INT = gl.constexpr(len(ADAPTER_INT_COLS))
+    _N_FLOAT = gl.constexpr(len(ADAPTER_FLOAT_COLS))
+    _RANK_STEP = gl.constexpr(RANK_STEP)
+
+    @gluon.jit
+    def _wait_for_previous_kernel(PDL: gl.constexpr):
+        """Programmatic dependent launch: block until the kernel before this one (the one that
+        wrote S or dS) has finished and its writes are visible."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+
+    @gluon.jit
+    def _pair(i, n_programs, n_blocks, num_pid_n, GROUP_M: gl.constexpr):
+        """(row block, column block) of the program's i-th (row block, column block) pair: pairs
+        go to programs round robin, in groups of GROUP_M row blocks (as `_grouped_tile`)."""
+        t = gl.program_id(0) + i * n_programs
+        num_pid_in_group = GROUP_M * num_pid_n
+        first_block = (t // num_pid_in_group) * GROUP_M
+        group_size = gl.minimum(n_blocks - first_block, GROUP_M)
+        return first_block + ((t % num_pid_in_group) % group_size), (t % num_pid_in_group) // group_size
+
+    @gluon.jit
+    def _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile):
+        """One tile of a row block: its rows [row_start, row_end) and its adapter's rank, row
+        offset in the packed adapters and scale."""
+        adapter = gl.load(tiles_ptr + tile * 3)
+        row_start = gl.load(tiles_ptr + tile * 3 + 1).to(gl.int32)
+        row_end = gl.load(tiles_ptr + tile * 3 + 2).to(gl.int32)
+        rank = gl.load(adapters_i_ptr + adapter * _N_INT + _RANK).to(gl.int32)
+        r_offset = gl.load(adapters_i_ptr + adapter * _N_INT + _R_OFFSET).to(gl.int32)
+        scale = gl.load(adapters_f_ptr + adapter * _N_FLOAT + _SCALE)
+        return row_start, row_end, rank, r_offset, scale
+
+    @gluon.jit
+    def _load_partition(a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, ready, empty, lora_ready,
+                        lora_empty, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K, n_blocks,
+                        n_programs, FORWARD: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr):
+        """The loading warp: each step's x (dY) and W blocks into the ring as the MMA warps free
+        a buffer, up to STAGES steps ahead and across tiles; after a tile's K steps, its LoRA
+        operands rank step by rank step into their own buffer."""
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = l_desc.block_type.shape[1]
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        n_pairs = gl.cdiv(n_blocks * num_pid_n - gl.program_id(0), n_programs)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        step = 0
+        lora_step = 0
+        for i in range(n_pairs):
+            block, pid_n = _pair(i, n_programs, n_blocks, num_pid_n, GROUP_M)
+            row0 = block * BLOCK_M
+            n0 = pid_n * BLOCK_N
+            for ki in range(k_steps):
+                buf = step % STAGES
+                mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)  # barriers start as if freed once
+                bar = ready.index(buf)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row0, ki * BLOCK_K], bar, a_bufs.index(buf))
+                if FORWARD:  # W [N, K]
+                    tma.async_copy_global_to_shared(w_desc, [n0, ki * BLOCK_K], bar, w_bufs.index(buf))
+                else:  # W [K, N]
+                    tma.async_copy_global_to_shared(w_desc, [ki * BLOCK_K, n0], bar, w_bufs.index(buf))
+                step += 1
+            # x (dY) and W were written before the kernel before this one started; S (dS) is
+            # that kernel's output (returns at once after the first time)
+            _wait_for_previous_kernel(PDL)
+            for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
+                              gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
+                _, _, rank, r_offset, _ = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
+                for r0 in range(0, rank, _RANK_STEP):
+                    mbarrier.wait(lora_empty, (lora_step & 1) ^ 1)
+                    mbarrier.expect(lora_ready, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(s_desc, [row0, r0], lora_ready, s_buf)
+                    tma.async_copy_global_to_shared(l_desc, [r_offset + r0, n0], lora_ready, l_buf)
+                    lora_step += 1
+
+    @gluon.jit
+    def _mma_partition(c_desc, a_bufs, w_bufs, s_buf, l_buf, c_smem, ready, empty, lora_ready, lora_empty, bias_ptr,
+                       block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K, n_blocks, n_programs,
+                       FORWARD: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
+                       num_warps: gl.constexpr):
+        """The MMA warps: the K steps' wgmmas as their operands land, each buffer handed back
+        once the wgmma after it has started; the block's LoRA terms, masked to their tiles;
+        the bias; the tile out through TMA."""
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        dtype: gl.constexpr = c_desc.dtype
+        # the accumulator: the warps stacked along M, one 16 x BLOCK_N x 16 wgmma each
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        s_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        l_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        bias_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # a value or two per thread
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        n_pairs = gl.cdiv(n_blocks * num_pid_n - gl.program_id(0), n_programs)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        offs_r = gl.arange(0, _RANK_STEP, layout=gl.SliceLayout(0, s_layout))
+        offs_lr = gl.arange(0, _RANK_STEP, layout=gl.SliceLayout(1, l_layout))
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        step = 0
+        lora_step = 0
+        for i in range(n_pairs):
+            block, pid_n = _pair(i, n_programs, n_blocks, num_pid_n, GROUP_M)
+            row0 = block * BLOCK_M
+            n0 = pid_n * BLOCK_N
+            if HAS_BIAS:  # loaded before the K steps, which hide its latency; added after them
+                offs_b = n0 + gl.arange(0, BLOCK_N, layout=bias_layout)
+                bias = gl.load(bias_ptr + offs_b, mask=offs_b < N, other=0.0)
+            for ki in range(k_steps):
+                buf = step % STAGES
+                mbarrier.wait(ready.index(buf), (step // STAGES) & 1)
+                w_op = w_bufs.index(buf).permute((1, 0)) if FORWARD else w_bufs.index(buf)
+                acc = warpgroup_mma(a_bufs.index(buf), w_op, acc, use_acc=ki > 0, is_async=True)
+                # at most this wgmma in flight: the previous step's buffer goes back to the loader
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+            for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
+                              gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
+                row_start, row_end, rank, _, scale = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
+                rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
+                for r0 in range(0, rank, _RANK_STEP):
+                    mbarrier.wait(lora_ready, lora_step & 1)
+                    # S's block rows of this tile only, its ranks only (the columns past them are
+                    # not written); forward: times scale_i in fp32, rounded back as the Triton kernel does
+                    st = s_buf.load(s_layout)
+                    st = gl.where(rows[:, None] & (r0 + offs_r < rank)[None, :], st, 0.0)
+                    if FORWARD:
+                        st = (st.to(gl.float32) * scale).to(dtype)
+                    if rank - r0 < _RANK_STEP:  # the step's last rows belong to the next adapter: zero them
+                        lt = l_buf.load(l_layout)
+                        l_buf.store(gl.where((r0 + offs_lr < rank)[:, None], lt, 0.0))
+                        fence_async_shared()
+                    acc = warpgroup_mma(st, l_buf, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    fence_async_shared()  # our reads of the buffer before the loader's next TMA write
+                    mbarrier.arrive(lora_empty)
+                    lora_step += 1
+            if HAS_BIAS:
+                # into new registers: ptxas serialises every wgmma of the kernel (a wait after each)
+                # once other instructions write the accumulator's registers
+                bias_n = gl.convert_layout(bias, gl.SliceLayout(0, acc_layout)).to(gl.float32)
+                out = (acc + bias_n[None, :]).to(dtype)
+            else:
+                out = acc.to(dtype)
+            # before any store: the kernel before may still read memory that `out` reuses
+            _wait_for_previous_kernel(PDL)
+            tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
+            c_smem.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [row0, n0], c_smem)  # rows and columns past the edge dropped
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _lora_gemm_gluon_kernel(a_desc, w_desc, c_desc, s_desc, l_desc, bias_ptr, block_tiles_ptr, tiles_ptr,
+                                adapters_i_ptr, adapters_f_ptr, N, K, n_blocks, n_programs, FORWARD: gl.constexpr,
+                                HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                                PDL: gl.constexpr, num_warps: gl.constexpr):
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+        s_buf = gl.allocate_shared_memory(dtype, s_desc.block_type.shape, s_desc.layout)
+        l_buf = gl.allocate_shared_memory(dtype, l_desc.block_type.shape, l_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        lora_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        lora_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(lora_ready, count=1)
+        mbarrier.init(lora_empty, count=1)
+        gl.warp_specialize([
+            (_mma_partition, (c_desc, a_bufs, w_bufs, s_buf, l_buf, c_smem, ready, empty, lora_ready, lora_empty,
+                              bias_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K, n_blocks,
+                              n_programs, FORWARD, HAS_BIAS, GROUP_M, PDL, num_warps)),
+            (_load_partition, (a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, ready, empty,
+                               lora_ready, lora_empty, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr,
+                               N, K, n_blocks, n_programs, FORWARD, GROUP_M, PDL)),
+        ], [1], [40])
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    """The swizzled shared layout of a TMA block (6 us of host time each, uncached)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _desc(t: torch.Tensor, block: list[int]) -> "TensorDescriptor":
+    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
+
+
+def lora_gemm_gluon(
+    a: torch.Tensor,  # [M, K] contiguous: x or dY
+    w: torch.Tensor,  # [N, K] (forward) or [K, N] (backward)
+    bias: Optional[torch.Tensor],  # [N]
+    s: torch.Tensor,  # [M, meta.rank_stride]: S or dS
+    lora_pack: torch.Tensor,  # [R_total, N]: packed B^T (forward) or A (backward)
+    out: torch.Tensor,  # [M, N], written
+    meta: LoRABatchMeta,
+    forward: bool,
+) -> torch.Tensor:
+    """`lora_gemm`'s fused path (no dropout mask) on Hopper: 16-bit operands that TMA can
+    describe (`tma_ready`), blocks 128 x 256 x 64, 3 stages, 8 MMA warps and one loading
+    warp, one program per SM."""
+    cfg = meta.config
+    M, K = a.shape
+    N = out.shape[1]
+    block_m, block_n, block_k = cfg.block_m, 256, 64
+    n_pairs = meta.n_blocks * cdiv(N, block_n)
+    grid = min(n_pairs, sm_count(a.device))
+    # an empty pack still needs a descriptor: one zero row of the right width, never read
+    pack = lora_pack if lora_pack.shape[0] else lora_pack.new_zeros(1, N)
+    _lora_gemm_gluon_kernel[(grid, )](
+        _desc(a, [block_m, block_k]), _desc(w, [block_n, block_k] if forward else [block_k, block_n]),
+        _desc(out, [block_m, block_n]), _desc(s, [block_m, RANK_STEP]), _desc(pack, [RANK_STEP, block_n]),
+        bias if bias is not None else out, *meta.block_args()[:4], N, K, meta.n_blocks,
+        grid, FORWARD=forward, HAS_BIAS=bias is not None, STAGES=3, GROUP_M=cfg.group_m, PDL=cfg.pdl,
+        num_warps=8, maxnreg=168, launch_pdl=cfg.pdl)
+    return out

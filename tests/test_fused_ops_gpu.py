@@ -188,6 +188,62 @@ def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself():
         assert torch.equal(poisoned[5 + i], clean[5 + i]), f"dB{i}"
 
 
+@_needs_hopper
+def test_gluon_gemm_runs_in_graphs_and_the_triton_gemm_eagerly():
+    """By default on Hopper (`gluon_gemm="in_graphs"`) a call captured in a CUDA graph runs the
+    Gluon GEMM and an eager call the Triton one, as the profiler names their kernels; the
+    replay gives bit for bit what the Gluon GEMM gives eagerly ("always"), the eager call
+    what the Triton GEMM gives ("never")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lora_sweep.kernels import metadata, triton_multi_lora_linear
+
+    torch.manual_seed(3)
+    seg_lens, ranks, in_f, out_f = [300, 200, 524], [40, 8, 24], 1024, 2048
+    x = torch.randn(sum(seg_lens), in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) / in_f ** 0.5
+    bias = torch.randn(out_f, device="cuda", dtype=torch.bfloat16)
+    lora_a = [(torch.randn(r, in_f, device="cuda") / in_f ** 0.5).requires_grad_(True) for r in ranks]
+    lora_b = [(torch.randn(out_f, r, device="cuda") / r ** 0.5).requires_grad_(True) for r in ranks]
+    dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.bfloat16)
+    default = metadata.config_for(max(ranks), True, True)
+    assert default.gluon_gemm == "in_graphs"
+
+    def step(mode):
+        config = dataclasses.replace(default, gluon_gemm=mode)
+        y = triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, [2.0, 1.0, 0.5], [0.0] * 3, seg_lens,
+                                     [1, 2, 3], config=config)
+        y.backward(dy)
+        outs = [y.detach()] + [t.grad.clone() for t in [x] + lora_a + lora_b]
+        for t in [x] + lora_a + lora_b:
+            t.grad = None
+        return outs
+
+    def kernels_run(fn):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return {e.name for e in prof.events()}
+
+    gluon, triton_gemm = step("always"), step("never")
+    eager = []
+    names = kernels_run(lambda: eager.extend(step("in_graphs")))
+    assert "_lora_gemm_kernel" in names and "_lora_gemm_gluon_kernel" not in names
+    assert all(torch.equal(g, w) for g, w in zip(eager, triton_gemm))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step("in_graphs")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step("in_graphs")
+    names = kernels_run(graph.replay)
+    assert "_lora_gemm_gluon_kernel" in names and "_lora_gemm_kernel" not in names
+    assert all(torch.equal(g, w) for g, w in zip(got, gluon))
+
+
 def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
     """Several CUDA graphs of the packed layer (fused or cuBLAS base, dropout, one or two
     passes over dY), captured one after the other and all kept alive, then replayed in turn:

@@ -29,7 +29,7 @@ dS's partials) still runs, on the SMs that kernel leaves free, and its K loop re
 On Hopper, in CUDA graphs, the fused GEMM without a dropout mask (Y, and dX where no adapter
 drops) runs in Gluon instead (`lora_gemm_gluon.py`, `KernelConfig.gluon_gemm`): warp-
 specialised, its loads pipelined across tiles, the LoRA term one more wgmma; the layer takes
-0.96x its time with this kernel at 16384 tokens, 0.99x at 2048 (medians, KERNELS_NOTES v28).
+0.95x its time with this kernel at 16384 tokens, 0.96x at 2048 (medians, KERNELS_NOTES v28).
 Its launch costs the host more, so eager calls keep this kernel, as do dX's masked term, the
 GPUs before Hopper and CI's CPU checks.
 

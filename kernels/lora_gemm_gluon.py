@@ -11,16 +11,17 @@ cuBLAS where K is 3584-4096 (KERNELS_NOTES v26, v27). Here the schedule is writt
 loading warp runs through every (tile, K step) the program owns and fills a ring of
 STAGES shared buffers as the MMA warps free them, so the next tile's first operands arrive
 under this tile's last steps and its epilogue. After the K steps it loads the tile's LoRA
-operands, one rank step of 16 at a time, into a buffer of their own: the row block's rows of
-S and the adapter's 16 rows of the packed B^T (A). The MMA warps mask them (the block's rows
+operands, 16, 32 or 64 ranks at a time (the pack's largest rank, rounded up), into the
+output tile's buffer, idle from the previous tile's store until this tile's epilogue: the
+row block's rows of S and the adapter's rows of the packed B^T (A). The MMA warps mask them (the block's rows
 of other adapters, the rank's end: another adapter's values, NaN included, never reach this
 one's rows), scale S by scale_i (forward), and add them with one wgmma whose first operand
 comes from registers. The tile leaves through TMA while the next one starts.
 
 As plain GEMMs with a rank-16 term, on an H200 at one clock, this schedule took 0.98-1.05x
 cuBLAS's time where the Triton kernel took 1.03-1.06x (`benchmarks/gemm_schedule.py`,
-`gluon_ws_lora_last`, KERNELS_NOTES v28); the layer took 0.96x its time with the Triton
-GEMM at 16384 tokens, 0.99x at 2048. `lora_gemm` runs it on Hopper while a CUDA graph is
+`gluon_ws_lora_last`, KERNELS_NOTES v28); the layer took 0.95x its time with the Triton
+GEMM at 16384 tokens, 0.96x at 2048. `lora_gemm` runs it on Hopper while a CUDA graph is
 captured (`KernelConfig.gluon_gemm="in_graphs"`): its launch builds five TMA descriptors on
 the host, where eager calls are host-bound. dX with dropout (a masked term, added before the
 K steps) stays on the Triton kernel.
@@ -47,7 +48,6 @@ try:  # Gluon's Hopper language, where this Triton has it
 except ImportError:  # pragma: no cover - the Triton path runs instead
     gluon = None
 
-RANK_STEP = 16  # rank rows per LoRA wgmma: bf16's K per instruction
 
 
 if gluon is not None:
@@ -56,7 +56,6 @@ if gluon is not None:
     _SCALE = gl.constexpr(ADAPTER_FLOAT_COLS.index("scale"))
     _N_INT = gl.constexpr(len(ADAPTER_INT_COLS))
     _N_FLOAT = gl.constexpr(len(ADAPTER_FLOAT_COLS))
-    _RANK_STEP = gl.constexpr(RANK_STEP)
 
     @gluon.jit
     def _wait_for_previous_kernel(PDL: gl.constexpr):
@@ -90,12 +89,14 @@ if gluon is not None:
 
     @gluon.jit
     def _load_partition(a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, ready, empty, lora_ready,
-                        lora_empty, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K, n_blocks,
+                        lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K, n_blocks,
                         n_programs, FORWARD: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr):
         """The loading warp: each step's x (dY) and W blocks into the ring as the MMA warps free
-        a buffer, up to STAGES steps ahead and across tiles; after a tile's K steps, its LoRA
-        operands rank step by rank step into their own buffer."""
+        a buffer, up to STAGES steps ahead and across tiles; after a tile's K steps, once the
+        previous tile's store has left the output buffer, its LoRA operands rank step by rank
+        step into that buffer."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
+        R_STEP: gl.constexpr = s_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = l_desc.block_type.shape[1]
@@ -122,10 +123,11 @@ if gluon is not None:
             # x (dY) and W were written before the kernel before this one started; S (dS) is
             # that kernel's output (returns at once after the first time)
             _wait_for_previous_kernel(PDL)
+            mbarrier.wait(c_free, i & 1)  # the previous tile's store has left the output buffer
             for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
                               gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
                 _, _, rank, r_offset, _ = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
-                for r0 in range(0, rank, _RANK_STEP):
+                for r0 in range(0, rank, R_STEP):
                     mbarrier.wait(lora_empty, (lora_step & 1) ^ 1)
                     mbarrier.expect(lora_ready, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(s_desc, [row0, r0], lora_ready, s_buf)
@@ -133,7 +135,8 @@ if gluon is not None:
                     lora_step += 1
 
     @gluon.jit
-    def _mma_partition(c_desc, a_bufs, w_bufs, s_buf, l_buf, c_smem, ready, empty, lora_ready, lora_empty, bias_ptr,
+    def _mma_partition(c_desc, a_bufs, w_bufs, s_buf, l_buf, c_smem, ready, empty, lora_ready, lora_empty, c_free,
+                       bias_ptr,
                        block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K, n_blocks, n_programs,
                        FORWARD: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
                        num_warps: gl.constexpr):
@@ -141,6 +144,7 @@ if gluon is not None:
         once the wgmma after it has started; the block's LoRA terms, masked to their tiles;
         the bias; the tile out through TMA."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
+        R_STEP: gl.constexpr = s_buf.type.shape[1]
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -155,8 +159,8 @@ if gluon is not None:
         n_pairs = gl.cdiv(n_blocks * num_pid_n - gl.program_id(0), n_programs)
         k_steps = gl.cdiv(K, BLOCK_K)
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        offs_r = gl.arange(0, _RANK_STEP, layout=gl.SliceLayout(0, s_layout))
-        offs_lr = gl.arange(0, _RANK_STEP, layout=gl.SliceLayout(1, l_layout))
+        offs_r = gl.arange(0, R_STEP, layout=gl.SliceLayout(0, s_layout))
+        offs_lr = gl.arange(0, R_STEP, layout=gl.SliceLayout(1, l_layout))
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         step = 0
         lora_step = 0
@@ -175,6 +179,9 @@ if gluon is not None:
                 # at most this wgmma in flight: the previous step's buffer goes back to the loader
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                if ki == gl.minimum(2, k_steps - 1):  # a few steps in, the previous tile's store is out:
+                    tma.store_wait(pendings=0)  # its buffer can take this tile's LoRA operands
+                    mbarrier.arrive(c_free)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
@@ -182,7 +189,7 @@ if gluon is not None:
                               gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
                 row_start, row_end, rank, _, scale = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
                 rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
-                for r0 in range(0, rank, _RANK_STEP):
+                for r0 in range(0, rank, R_STEP):
                     mbarrier.wait(lora_ready, lora_step & 1)
                     # S's block rows of this tile only, its ranks only (the columns past them are
                     # not written); forward: times scale_i in fp32, rounded back as the Triton kernel does
@@ -190,7 +197,7 @@ if gluon is not None:
                     st = gl.where(rows[:, None] & (r0 + offs_r < rank)[None, :], st, 0.0)
                     if FORWARD:
                         st = (st.to(gl.float32) * scale).to(dtype)
-                    if rank - r0 < _RANK_STEP:  # the step's last rows belong to the next adapter: zero them
+                    if rank - r0 < R_STEP:  # the step's last rows belong to the next adapter: zero them
                         lt = l_buf.load(l_layout)
                         l_buf.store(gl.where((r0 + offs_lr < rank)[:, None], lt, 0.0))
                         fence_async_shared()
@@ -223,8 +230,14 @@ if gluon is not None:
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
-        s_buf = gl.allocate_shared_memory(dtype, s_desc.block_type.shape, s_desc.layout)
-        l_buf = gl.allocate_shared_memory(dtype, l_desc.block_type.shape, l_desc.layout)
+        # the LoRA operands live in the output tile's buffer, idle between a tile's store and its
+        # epilogue: S's rows in its first half, the adapter's rows of B^T (A) in its second
+        BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+        R_STEP: gl.constexpr = s_desc.block_type.shape[1]
+        s_buf = c_smem._reinterpret(dtype, [BLOCK_N // R_STEP, BLOCK_M, R_STEP], s_desc.layout).index(0)
+        l_buf = c_smem._reinterpret(dtype, [BLOCK_M // R_STEP, R_STEP, BLOCK_N], l_desc.layout).index(
+            BLOCK_M // R_STEP // 2)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -232,15 +245,17 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         lora_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         lora_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        c_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(lora_ready, count=1)
         mbarrier.init(lora_empty, count=1)
+        mbarrier.init(c_free, count=1)
         gl.warp_specialize([
             (_mma_partition, (c_desc, a_bufs, w_bufs, s_buf, l_buf, c_smem, ready, empty, lora_ready, lora_empty,
-                              bias_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K, n_blocks,
-                              n_programs, FORWARD, HAS_BIAS, GROUP_M, PDL, num_warps)),
+                              c_free, bias_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K,
+                              n_blocks, n_programs, FORWARD, HAS_BIAS, GROUP_M, PDL, num_warps)),
             (_load_partition, (a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, ready, empty,
-                               lora_ready, lora_empty, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr,
-                               N, K, n_blocks, n_programs, FORWARD, GROUP_M, PDL)),
+                               lora_ready, lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
+                               adapters_f_ptr, N, K, n_blocks, n_programs, FORWARD, GROUP_M, PDL)),
         ], [1], [40])
 
 
@@ -273,11 +288,13 @@ def lora_gemm_gluon(
     block_m, block_n, block_k = cfg.block_m, 256, 64
     n_pairs = meta.n_blocks * cdiv(N, block_n)
     grid = min(n_pairs, sm_count(a.device))
+    # ranks per LoRA wgmma: the pack's largest rank, rounded up to 16, 32 or 64 (a wgmma's K is 16)
+    r_step = 16 if meta.max_rank <= 16 else 32 if meta.max_rank <= 32 else 64
     # an empty pack still needs a descriptor: one zero row of the right width, never read
     pack = lora_pack if lora_pack.shape[0] else lora_pack.new_zeros(1, N)
     _lora_gemm_gluon_kernel[(grid, )](
         _desc(a, [block_m, block_k]), _desc(w, [block_n, block_k] if forward else [block_k, block_n]),
-        _desc(out, [block_m, block_n]), _desc(s, [block_m, RANK_STEP]), _desc(pack, [RANK_STEP, block_n]),
+        _desc(out, [block_m, block_n]), _desc(s, [block_m, r_step]), _desc(pack, [r_step, block_n]),
         bias if bias is not None else out, *meta.block_args()[:4], N, K, meta.n_blocks,
         grid, FORWARD=forward, HAS_BIAS=bias is not None, STAGES=3, GROUP_M=cfg.group_m, PDL=cfg.pdl,
         num_warps=8, maxnreg=168, launch_pdl=cfg.pdl)

@@ -13,10 +13,11 @@ STAGES shared buffers as the MMA warps free them, so the next tile's first opera
 under this tile's last steps and its epilogue. After the K steps it loads the tile's LoRA
 operands, 16, 32 or 64 ranks at a time (the pack's largest rank, rounded up), into the
 output tile's buffer, idle from the previous tile's store until this tile's epilogue: the
-row block's rows of S and the adapter's rows of the packed B^T (A). The MMA warps mask them (the block's rows
-of other adapters, the rank's end: another adapter's values, NaN included, never reach this
-one's rows), scale S by scale_i (forward), and add them with one wgmma whose first operand
-comes from registers. The tile leaves through TMA while the next one starts.
+row block's rows of S and the adapter's rows of the packed B^T (A). The MMA warps mask
+them (the block's rows of other adapters, the rank's end: another adapter's values, NaN
+included, never reach this one's rows), scale S by scale_i (forward), and add them with
+one wgmma whose first operand comes from registers. The tile leaves through TMA while the
+next one starts.
 
 As plain GEMMs with a rank-16 term, on an H200 at one clock, this schedule took 0.98-1.05x
 cuBLAS's time where the Triton kernel took 1.03-1.06x (`benchmarks/gemm_schedule.py`,

@@ -26,26 +26,16 @@ Hopper only (wgmma, TMA, mbarriers); Gluon kernels do not run under TRITON_INTER
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# the library kernel's tile order and TMA descriptors: the probes walk tiles as it does
+from lora_sweep.kernels.lora_gemm_gluon import _desc, _pair
 
 LORA_RANK = 16
-
-
-@gluon.jit
-def _tile_of(idx, n_programs, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """The (row block, column block) of a program's idx-th tile: tiles go to programs round
-    robin, in groups of GROUP_M row blocks (the fused GEMM's order)."""
-    t = gl.program_id(0) + idx * n_programs
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_m = (t // num_pid_in_group) * GROUP_M
-    group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + ((t % num_pid_in_group) % group_size), (t % num_pid_in_group) // group_size
 
 
 @gluon.jit
@@ -55,7 +45,7 @@ def _issue_step_load(step, k_steps, n_programs, num_pid_m, num_pid_n, a_desc, w_
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0] if FORWARD else w_desc.block_type.shape[1]
-    pm, pn = _tile_of(step // k_steps, n_programs, num_pid_m, num_pid_n, GROUP_M)
+    pm, pn = _pair(step // k_steps, n_programs, num_pid_m, num_pid_n, GROUP_M)
     k = (step % k_steps) * BLOCK_K
     buf = step % STAGES
     bar = ready.index(buf)
@@ -73,7 +63,7 @@ def _issue_lora_load(idx, n_tiles, n_programs, num_pid_m, num_pid_n, s_desc, l_d
     """Start the loads of the program's idx-th tile's LoRA operands, if it has that tile."""
     BLOCK_M: gl.constexpr = s_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = l_desc.block_type.shape[1]
-    pm, pn = _tile_of(idx, n_programs, num_pid_m, num_pid_n, GROUP_M)
+    pm, pn = _pair(idx, n_programs, num_pid_m, num_pid_n, GROUP_M)
     pred = idx < n_tiles
     mbarrier.expect(lora_bar, s_desc.block_type.nbytes + l_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(s_desc, [pm * BLOCK_M, 0], lora_bar, s_buf, pred)
@@ -143,7 +133,7 @@ def _gluon_gemm_kernel(a_desc, w_desc, c_desc, s_desc, l_desc, M, N, K, n_progra
         if LORA:  # the operands were read: load the next tile's
             _issue_lora_load(idx + 1, n_tiles, n_programs, num_pid_m, num_pid_n, s_desc, l_desc, s_buf, l_buf,
                              lora_bar, GROUP_M)
-        pm, pn = _tile_of(idx, n_programs, num_pid_m, num_pid_n, GROUP_M)
+        pm, pn = _pair(idx, n_programs, num_pid_m, num_pid_n, GROUP_M)
         out = acc.to(dtype)
         tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
         c_smem.store(out)
@@ -153,10 +143,6 @@ def _gluon_gemm_kernel(a_desc, w_desc, c_desc, s_desc, l_desc, M, N, K, n_progra
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(lora_bar)
-
-
-def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
 def gluon_gemm(a, w, out, forward, n_sms, s, lt, lora=0, block_m=128, block_n=256, block_k=64, stages=3,
@@ -192,7 +178,7 @@ def _ws_load_partition(a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_
     k_steps = gl.cdiv(K, BLOCK_K)
     step = 0
     for idx in range(n_tiles):
-        pm, pn = _tile_of(idx, n_programs, num_pid_m, num_pid_n, GROUP_M)
+        pm, pn = _pair(idx, n_programs, num_pid_m, num_pid_n, GROUP_M)
         for ki in range(k_steps):
             buf = step % STAGES
             mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)
@@ -257,7 +243,7 @@ def _ws_mma_partition(c_desc, a_bufs, w_bufs, s_buf, l_buf, c_smem, ready, empty
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
         if LORA == 1:
             mbarrier.arrive(lora_empty)
-        pm, pn = _tile_of(idx, n_programs, num_pid_m, num_pid_n, GROUP_M)
+        pm, pn = _pair(idx, n_programs, num_pid_m, num_pid_n, GROUP_M)
         out = acc.to(dtype)
         tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
         c_smem.store(out)

@@ -77,6 +77,14 @@ if gluon is not None:
         return first_block + ((t % num_pid_in_group) % group_size), (t % num_pid_in_group) // group_size
 
     @gluon.jit
+    def _program_work(N, K, n_blocks, n_programs, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The program's share of the work, which both partitions walk in step (a difference
+        would leave one waiting on a barrier the other never signals): the column blocks,
+        the (row block, column block) pairs it owns and the K steps of each."""
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        return num_pid_n, gl.cdiv(n_blocks * num_pid_n - gl.program_id(0), n_programs), gl.cdiv(K, BLOCK_K)
+
+    @gluon.jit
     def _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile):
         """One tile of a row block: its rows [row_start, row_end) and its adapter's rank, row
         offset in the packed adapters and scale."""
@@ -101,9 +109,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = l_desc.block_type.shape[1]
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        n_pairs = gl.cdiv(n_blocks * num_pid_n - gl.program_id(0), n_programs)
-        k_steps = gl.cdiv(K, BLOCK_K)
+        num_pid_n, n_pairs, k_steps = _program_work(N, K, n_blocks, n_programs, BLOCK_N, BLOCK_K)
         step = 0
         lora_step = 0
         for i in range(n_pairs):
@@ -156,9 +162,7 @@ if gluon is not None:
         s_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         l_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
         bias_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # a value or two per thread
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        n_pairs = gl.cdiv(n_blocks * num_pid_n - gl.program_id(0), n_programs)
-        k_steps = gl.cdiv(K, BLOCK_K)
+        num_pid_n, n_pairs, k_steps = _program_work(N, K, n_blocks, n_programs, BLOCK_N, BLOCK_K)
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         offs_r = gl.arange(0, R_STEP, layout=gl.SliceLayout(0, s_layout))
         offs_lr = gl.arange(0, R_STEP, layout=gl.SliceLayout(1, l_layout))

@@ -65,8 +65,8 @@ class KernelConfig:
     pdl: bool = False
     # on Hopper, the fused GEMM without a dropout mask (Y; dX where no adapter drops) in Gluon,
     # warp-specialised with its loads pipelined across tiles (lora_gemm_gluon.py, KERNELS_NOTES v28):
-    # "never", "in_graphs" (while a CUDA graph is captured: its launch costs the host about 0.14 ms
-    # more than the Triton kernel's, which an eager call, host-bound, would pay every time) or "always"
+    # "never", "in_graphs" (while a CUDA graph is captured: its launch builds more TMA descriptors
+    # on the host than the Triton kernel's, which an eager call, host-bound, would pay every time) or "always"
     gluon_gemm: str = "never"
     # the LoRA term added in place to a cuBLAS product
     add_block_n: int = 128

@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import importlib.util
 import itertools
 import json
@@ -398,8 +399,6 @@ def section_check(res, device):
                           seed=100 + ci, seg_lens=c["seg_lens"], none_every=c.get("none_every", 0))
             max_rank = max([a.shape[0] for a in p["lora_a"] if a is not None], default=0)
             cfg = meta_mod.config_for(max_rank, not DRY, fused_base)
-            if cfg.gluon_gemm != "never":  # checked eagerly here, the GEMM that graphs run on Hopper (v28)
-                cfg = dataclasses.replace(cfg, gluon_gemm="always")
             # poison: freed blocks the kernels' outputs will reuse hold NaN
             junk = torch.full((sum(c["seg_lens"]) * max(c["in_f"], c["out_f"]) * 4,), float("nan"), device=device,
                               dtype=torch.bfloat16)
@@ -1034,6 +1033,46 @@ def section_host(res, device):
             print(f"  {f['cum_us_per_step']:9.1f} us cum {f['self_us_per_step']:8.1f} self x{f['calls_per_step']:<5.1f} "
                   f"{f['func'][:90]}", flush=True)
     res["host"] = out
+    res["host_gluon_ab"] = eager_gemm_host_ab(device)
+
+
+def eager_gemm_host_ab(device, rounds=7, calls=20):
+    """Eager fwd+bwd with the Gluon GEMM (`gluon_gemm="always"`) against the Triton GEMM
+    (`"never"`), in turn, `rounds` times: the host time per call (its launch builds five TMA
+    descriptors, the Triton kernel's two) and the wall time of `calls` calls with the GPU
+    drained after (what an eager caller waits for). Dropout 0, so that Y and dX both take the
+    Gluon GEMM; the packs of the rows above. Off Hopper both sides run the Triton GEMM."""
+    rows = []
+    for in_f, out_f, tokens, n in ((4096, 4096, 2048, 4), (4096, 14336, 2048, 32), (2048, 8192, 4096, 16)):
+        if DRY:
+            in_f, out_f, tokens = 64, 48, 64
+        p = make_pack(in_f, out_f, tokens, n, [16] * n, 0.0, device)
+        params = params_of(p)
+        dy = torch.randn_like(m_base(p))
+        configs = {mode: dataclasses.replace(meta_mod.config_for(16, not DRY, True), gluon_gemm=mode)
+                   for mode in ("never", "always")}
+        host, wall = {m: [] for m in configs}, {m: [] for m in configs}
+        for _ in range(1 if DRY else rounds):
+            for mode, cfg in configs.items():
+                fn = functools.partial(m_fused, config=cfg)
+                host[mode].append(host_enqueue_ms(fn, p, dy, params, 1 if DRY else calls))
+                t = time.perf_counter()
+                for _ in range(1 if DRY else calls):
+                    fwd_bwd_step(fn, p, dy, params)
+                torch.cuda.synchronize() if not DRY else None
+                wall[mode].append((time.perf_counter() - t) / (1 if DRY else calls) * 1e3)
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rounds=rounds, calls=calls)
+        for mode in configs:
+            row[f"host_ms_{mode}"] = statistics.median(host[mode])
+            row[f"wall_ms_{mode}"] = statistics.median(wall[mode])
+            row[f"host_ms_{mode}_all"], row[f"wall_ms_{mode}_all"] = host[mode], wall[mode]
+        row["host_always_over_never"] = row["host_ms_always"] / row["host_ms_never"]
+        row["wall_always_over_never"] = row["wall_ms_always"] / row["wall_ms_never"]
+        rows.append(row)
+        print(f"eager GEMM A/B {in_f}->{out_f} tok={tokens} n={n}: host {row['host_ms_never']:.3f} (Triton) "
+              f"{row['host_ms_always']:.3f} (Gluon) ms/call, wall {row['wall_ms_never']:.3f} / "
+              f"{row['wall_ms_always']:.3f} ms/call", flush=True)
+    return rows
 
 
 SHRINK_VARIANTS = [(64, 64), (32, 128), (16, 256), (16, 128), (16, 64)]  # (rows per program, K step)
@@ -1380,6 +1419,10 @@ def summarize(res):
             name: dict(**spread(ratios), of=len(ratios)) for name in GEMM_VARIANTS
             if (ratios := [r[name + "_ms"] / r["tma_with_lora_ms"] for r in rows
                            if r.get(name + "_ms") and r.get("tma_with_lora_ms")])}
+    if res.get("host_gluon_ab"):  # eager calls, the Gluon GEMM over the Triton GEMM (v29)
+        s["eager_gluon_over_triton_gemm"] = {
+            f"{r['in_f']}->{r['out_f']} tok={r['tokens']} n={r['adapters']}":
+                dict(host=r["host_always_over_never"], wall=r["wall_always_over_never"]) for r in res["host_gluon_ab"]}
     if res.get("ragged"):
         rows = [r for r in res["ragged"] if r.get("fused_graphed") and r.get("fused_in_place_graphed")]
         if rows:

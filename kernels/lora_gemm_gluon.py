@@ -22,10 +22,11 @@ next one starts.
 As plain GEMMs with a rank-16 term, on an H200 at one clock, this schedule took 0.98-1.05x
 cuBLAS's time where the Triton kernel took 1.03-1.06x (`benchmarks/gemm_schedule.py`,
 `gluon_ws_lora_last`, KERNELS_NOTES v28); the layer took 0.95x its time with the Triton
-GEMM at 16384 tokens, 0.96x at 2048. `lora_gemm` runs it on Hopper while a CUDA graph is
-captured (`KernelConfig.gluon_gemm="in_graphs"`): its launch builds five TMA descriptors on
-the host, where eager calls are host-bound. dX with dropout (a masked term, added before the
-K steps) stays on the Triton kernel.
+GEMM at 16384 tokens, 0.96x at 2048. `lora_gemm` runs it on Hopper (`KernelConfig.gluon_gemm`,
+"always" by default; "in_graphs" keeps eager calls on the Triton kernel, whose launch builds
+two TMA descriptors on the host where this one builds five: an engine step that is GPU-bound
+gained 2-5% from it eagerly, one that is host-bound did not measurably lose, KERNELS_NOTES
+v29). dX with dropout (a masked term, added before the K steps) stays on the Triton kernel.
 
 Gluon kernels do not run under TRITON_INTERPRET=1: CI checks the Triton kernel on the CPU,
 and the GPU tests check this one against float64 (`tests/test_fused_ops_gpu.py`).

@@ -65,8 +65,10 @@ class KernelConfig:
     pdl: bool = False
     # on Hopper, the fused GEMM without a dropout mask (Y; dX where no adapter drops) in Gluon,
     # warp-specialised with its loads pipelined across tiles (lora_gemm_gluon.py, KERNELS_NOTES v28):
-    # "never", "in_graphs" (while a CUDA graph is captured: its launch builds more TMA descriptors
-    # on the host than the Triton kernel's, which an eager call, host-bound, would pay every time) or "always"
+    # "never", "in_graphs" (only while a CUDA graph is captured) or "always". Its launch builds
+    # five TMA descriptors on the host, the Triton kernel's two; in turn with "in_graphs", "always"
+    # gave an 8B model's GPU-bound step 1.049x and 1.024x the tokens/s and a 1B model's host-bound
+    # step 0.93x and 1.13x, within that step's noise (KERNELS_NOTES v29)
     gluon_gemm: str = "never"
     # the LoRA term added in place to a cuBLAS product
     add_block_n: int = 128
@@ -276,7 +278,7 @@ def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelCo
         # the registers per thread of the 64-row, 4-warp config.
         return KernelConfig(block_m=FUSED_BLOCK_M, gemm_block_n=256, gemm_block_k=64, gemm_warps=8, gemm_stages=3,
                             fused_base=True, add_block_n=128, add_warps=8, pdl=hopper_or_newer(),
-                            gluon_gemm="in_graphs" if _gluon_gemm_runs() else "never", **shared)
+                            gluon_gemm="always" if _gluon_gemm_runs() else "never", **shared)
     # cuBLAS base GEMMs plus the LoRA term added in place: its adds ran 5-15% faster on 64-row
     # tiles than on 128-row ones (v5).
     return KernelConfig(block_m=64, fused_base=False, add_block_n=128, add_warps=4, **shared)

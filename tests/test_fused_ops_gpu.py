@@ -189,11 +189,11 @@ def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself():
 
 
 @_needs_hopper
-def test_gluon_gemm_runs_in_graphs_and_the_triton_gemm_eagerly():
-    """By default on Hopper (`gluon_gemm="in_graphs"`) a call captured in a CUDA graph runs the
-    Gluon GEMM and an eager call the Triton one, as the profiler names their kernels; the
-    replay gives bit for bit what the Gluon GEMM gives eagerly ("always"), the eager call
-    what the Triton GEMM gives ("never")."""
+def test_gluon_gemm_dispatch_eagerly_and_in_graphs():
+    """On Hopper the default (`gluon_gemm="always"`) runs the Gluon GEMM in eager calls, as the
+    profiler names the kernels; with "in_graphs" a call captured in a CUDA graph runs the
+    Gluon GEMM and an eager call the Triton one. The replay gives bit for bit what the Gluon
+    GEMM gives eagerly, the eager call what the Triton GEMM gives ("never")."""
     from torch.profiler import ProfilerActivity, profile
 
     from lora_sweep.kernels import metadata, triton_multi_lora_linear
@@ -207,7 +207,7 @@ def test_gluon_gemm_runs_in_graphs_and_the_triton_gemm_eagerly():
     lora_b = [(torch.randn(out_f, r, device="cuda") / r ** 0.5).requires_grad_(True) for r in ranks]
     dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.bfloat16)
     default = metadata.config_for(max(ranks), True, True)
-    assert default.gluon_gemm == "in_graphs"
+    assert default.gluon_gemm == "always"
 
     def step(mode):
         config = dataclasses.replace(default, gluon_gemm=mode)
@@ -225,7 +225,9 @@ def test_gluon_gemm_runs_in_graphs_and_the_triton_gemm_eagerly():
             torch.cuda.synchronize()
         return {e.name for e in prof.events()}
 
-    gluon, triton_gemm = step("always"), step("never")
+    gluon, triton_gemm = [], step("never")
+    names = kernels_run(lambda: gluon.extend(step("always")))
+    assert "_lora_gemm_gluon_kernel" in names and "_lora_gemm_kernel" not in names
     eager = []
     names = kernels_run(lambda: eager.extend(step("in_graphs")))
     assert "_lora_gemm_kernel" in names and "_lora_gemm_gluon_kernel" not in names
@@ -263,8 +265,6 @@ def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
     lora_b = [(torch.randn(out_f, r, device="cuda") / r ** 0.5).requires_grad_(True) for r in ranks]
     params = [x] + [t for i, t in enumerate(lora_a + lora_b) if seg_lens[i % len(ranks)]]
     fused, cublas = (metadata.config_for(max(ranks), True, fuse_base) for fuse_base in (True, False))
-    # the same GEMM eagerly as in the graph: on Hopper the Gluon one (by default it runs in graphs only)
-    fused = dataclasses.replace(fused, gluon_gemm="never" if fused.gluon_gemm == "never" else "always")
     calls = {"fused_base": (fused, 0.0), "cublas_base": (cublas, 0.0), "dropout": (fused, 0.1),
              "two_passes_over_dy": (dataclasses.replace(fused, one_pass_dy=False), 0.0),
              "one_pass_over_dy": (dataclasses.replace(fused, one_pass_dy=True), 0.0),

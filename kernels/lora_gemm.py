@@ -313,8 +313,8 @@ def lora_gemm(
     if not tma_ready(a, w):
         raise ValueError("The fused base GEMM needs TMA-ready operands (see `tma_ready`); use fused_base=False.")
     gluon = cfg.gluon_gemm == "always" or (cfg.gluon_gemm == "in_graphs" and torch.cuda.is_current_stream_capturing())
-    if gluon and not out_dropout and a.element_size() == 2 and cfg.block_m == 128:
-        return lora_gemm_gluon(a, w, bias, s, lora_pack, out, meta, forward)
+    if gluon and a.element_size() == 2 and cfg.block_m == 128:
+        return lora_gemm_gluon(a, w, bias, s, lora_pack, out, meta, forward, mask if out_dropout else None)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.gemm_block_k])
     w_desc = TensorDescriptor.from_tensor(
         w, [cfg.gemm_block_n, cfg.gemm_block_k] if forward else [cfg.gemm_block_k, cfg.gemm_block_n])

@@ -55,7 +55,9 @@ except ImportError:  # pragma: no cover - the Triton path runs instead
 if gluon is not None:
     _RANK = gl.constexpr(ADAPTER_INT_COLS.index("rank"))
     _R_OFFSET = gl.constexpr(ADAPTER_INT_COLS.index("r_offset"))
+    _THRESHOLD = gl.constexpr(ADAPTER_INT_COLS.index("keep_threshold"))
     _SCALE = gl.constexpr(ADAPTER_FLOAT_COLS.index("scale"))
+    _INV_KEEP = gl.constexpr(ADAPTER_FLOAT_COLS.index("inv_keep"))
     _N_INT = gl.constexpr(len(ADAPTER_INT_COLS))
     _N_FLOAT = gl.constexpr(len(ADAPTER_FLOAT_COLS))
 
@@ -98,13 +100,22 @@ if gluon is not None:
         return row_start, row_end, rank, r_offset, scale
 
     @gluon.jit
-    def _load_partition(a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, ready, empty, lora_ready,
-                        lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K, n_blocks,
-                        n_programs, FORWARD: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr):
+    def _tile_dropout(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile):
+        """A tile's adapter's dropout: whether it drops (keep threshold > 0) and 1 / (1 - p)."""
+        adapter = gl.load(tiles_ptr + tile * 3)
+        drops = gl.load(adapters_i_ptr + adapter * _N_INT + _THRESHOLD) > 0
+        return drops, gl.load(adapters_f_ptr + adapter * _N_FLOAT + _INV_KEEP)
+
+    @gluon.jit
+    def _load_partition(a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, s_ring, l_ring, ready, empty,
+                        lora_ready, lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N,
+                        K, n_blocks, n_programs, FORWARD: gl.constexpr, OUT_DROPOUT: gl.constexpr,
+                        GROUP_M: gl.constexpr, PDL: gl.constexpr):
         """The loading warp: each step's x (dY) and W blocks into the ring as the MMA warps free
         a buffer, up to STAGES steps ahead and across tiles; after a tile's K steps, once the
         previous tile's store has left the output buffer, its LoRA operands rank step by rank
-        step into that buffer."""
+        step into that buffer. With OUT_DROPOUT the LoRA operands come first instead, through
+        the ring, one rank step per slot."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         R_STEP: gl.constexpr = s_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -117,6 +128,21 @@ if gluon is not None:
             block, pid_n = _pair(i, n_programs, n_blocks, num_pid_n, GROUP_M)
             row0 = block * BLOCK_M
             n0 = pid_n * BLOCK_N
+            if OUT_DROPOUT:
+                _wait_for_previous_kernel(PDL)  # it wrote dS (returns at once after the first time)
+                for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
+                                  gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
+                    _, _, rank, r_offset, _ = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
+                    for r0 in range(0, rank, R_STEP):
+                        buf = step % STAGES
+                        mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)
+                        bar = ready.index(buf)
+                        mbarrier.expect(bar, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(s_desc, [row0, r0], bar,
+                                                        s_ring.index(buf * (BLOCK_K // R_STEP)))
+                        tma.async_copy_global_to_shared(l_desc, [r_offset + r0, n0], bar,
+                                                        l_ring.index(buf * (BLOCK_K // R_STEP)))
+                        step += 1
             for ki in range(k_steps):
                 buf = step % STAGES
                 mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)  # barriers start as if freed once
@@ -128,29 +154,52 @@ if gluon is not None:
                 else:  # W [K, N]
                     tma.async_copy_global_to_shared(w_desc, [ki * BLOCK_K, n0], bar, w_bufs.index(buf))
                 step += 1
-            # x (dY) and W were written before the kernel before this one started; S (dS) is
-            # that kernel's output (returns at once after the first time)
-            _wait_for_previous_kernel(PDL)
-            mbarrier.wait(c_free, i & 1)  # the previous tile's store has left the output buffer
-            for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
-                              gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
-                _, _, rank, r_offset, _ = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
-                for r0 in range(0, rank, R_STEP):
-                    mbarrier.wait(lora_empty, (lora_step & 1) ^ 1)
-                    mbarrier.expect(lora_ready, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(s_desc, [row0, r0], lora_ready, s_buf)
-                    tma.async_copy_global_to_shared(l_desc, [r_offset + r0, n0], lora_ready, l_buf)
-                    lora_step += 1
+            if not OUT_DROPOUT:
+                # x (dY) and W were written before the kernel before this one started; S (dS) is
+                # that kernel's output (returns at once after the first time)
+                _wait_for_previous_kernel(PDL)
+                mbarrier.wait(c_free, i & 1)  # the previous tile's store has left the output buffer
+                for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
+                                  gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
+                    _, _, rank, r_offset, _ = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
+                    for r0 in range(0, rank, R_STEP):
+                        mbarrier.wait(lora_empty, (lora_step & 1) ^ 1)
+                        mbarrier.expect(lora_ready, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(s_desc, [row0, r0], lora_ready, s_buf)
+                        tma.async_copy_global_to_shared(l_desc, [r_offset + r0, n0], lora_ready, l_buf)
+                        lora_step += 1
 
     @gluon.jit
-    def _mma_partition(c_desc, a_bufs, w_bufs, s_buf, l_buf, c_smem, ready, empty, lora_ready, lora_empty, c_free,
-                       bias_ptr,
-                       block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K, n_blocks, n_programs,
-                       FORWARD: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
+    def _add_lora_step(acc, s_view, l_view, rows, r0, rank, scale, offs_r, offs_lr, s_layout: gl.constexpr,
+                       l_layout: gl.constexpr, FORWARD: gl.constexpr):
+        """acc + rank step r0 of a tile's LoRA term, its operands in shared memory: S's block rows
+        of this tile only (`rows`), its ranks only (the columns past them are not written), in
+        the forward times scale_i in fp32 and rounded back as the Triton kernel does; L's rows
+        past the rank, the next adapter's, zeroed. Returns once the wgmma is done."""
+        R_STEP: gl.constexpr = s_view.type.shape[1]
+        st = s_view.load(s_layout)
+        st = gl.where(rows[:, None] & (r0 + offs_r < rank)[None, :], st, 0.0)
+        if FORWARD:
+            st = (st.to(gl.float32) * scale).to(st.dtype)
+        if rank - r0 < R_STEP:
+            lt = l_view.load(l_layout)
+            l_view.store(gl.where((r0 + offs_lr < rank)[:, None], lt, 0.0))
+            fence_async_shared()
+        acc = warpgroup_mma(st, l_view, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        fence_async_shared()  # our reads of the buffer before the loader's next TMA write
+        return acc
+
+    @gluon.jit
+    def _mma_partition(c_desc, a_bufs, w_bufs, s_buf, l_buf, s_ring, l_ring, c_smem, ready, empty, lora_ready,
+                       lora_empty, c_free, bias_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
+                       adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs, FORWARD: gl.constexpr,
+                       OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
                        num_warps: gl.constexpr):
         """The MMA warps: the K steps' wgmmas as their operands land, each buffer handed back
         once the wgmma after it has started; the block's LoRA terms, masked to their tiles;
-        the bias; the tile out through TMA."""
+        the bias; the tile out through TMA. With OUT_DROPOUT the LoRA terms come first, from
+        the ring, and are masked by the forward's keep-mask before the K steps add to them."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         R_STEP: gl.constexpr = s_buf.type.shape[1]
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
@@ -167,6 +216,15 @@ if gluon is not None:
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         offs_r = gl.arange(0, R_STEP, layout=gl.SliceLayout(0, s_layout))
         offs_lr = gl.arange(0, R_STEP, layout=gl.SliceLayout(1, l_layout))
+        offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        # the keep-mask (OUT_DROPOUT): its [BLOCK_M, BLOCK_N // 4] nibbles as loaded, and the
+        # accumulator's layout seen as [BLOCK_M, BLOCK_N // 4 nibbles, 4 bits]
+        nibble_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        offs_nm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, nibble_layout))
+        offs_ng = gl.arange(0, BLOCK_N // 4, layout=gl.SliceLayout(0, nibble_layout))
+        bit_layout: gl.constexpr = gl.reshape(gl.zeros([BLOCK_M, BLOCK_N], gl.int32, acc_layout),
+                                              [BLOCK_M, BLOCK_N // 4, 4]).type.layout
+        offs_bit = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, bit_layout)))
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         step = 0
         lora_step = 0
@@ -177,41 +235,68 @@ if gluon is not None:
             if HAS_BIAS:  # loaded before the K steps, which hide its latency; added after them
                 offs_b = n0 + gl.arange(0, BLOCK_N, layout=bias_layout)
                 bias = gl.load(bias_ptr + offs_b, mask=offs_b < N, other=0.0)
+            if OUT_DROPOUT:
+                # The masked term first, onto zeros: masked after the K steps it would need an
+                # accumulator of its own. Writing the accumulator here does not serialise the
+                # wgmmas, as adding the bias into it after the K steps does (checked in the SASS).
+                acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+                row_factor = gl.full((BLOCK_M, ), 1.0, gl.float32, layout=gl.SliceLayout(1, acc_layout))
+                dropped = offs_am < 0  # rows whose adapter has dropout
+                for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
+                                  gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
+                    row_start, row_end, rank, _, scale = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
+                    drops, inv_keep = _tile_dropout(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
+                    rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
+                    acc_rows = (row0 + offs_am >= row_start) & (row0 + offs_am < row_end)
+                    row_factor = gl.where(acc_rows, inv_keep, row_factor)
+                    dropped = dropped | (acc_rows & drops)
+                    for r0 in range(0, rank, R_STEP):
+                        buf = step % STAGES
+                        mbarrier.wait(ready.index(buf), (step // STAGES) & 1)
+                        acc = _add_lora_step(acc, s_ring.index(buf * (BLOCK_K // R_STEP)),
+                                             l_ring.index(buf * (BLOCK_K // R_STEP)), rows, r0, rank, scale, offs_r,
+                                             offs_lr, s_layout, l_layout, FORWARD)
+                        mbarrier.arrive(empty.index(buf))
+                        step += 1
+                # The keep-mask: the tile's nibbles read 16 to a thread, handed to the threads whose
+                # accumulator columns they cover (through shared memory), each column's bit
+                # shifted out. The forward stored no mask for rows without dropout: they keep
+                # every column.
+                groups = n0 // 4 + offs_ng
+                nibbles = gl.load(mask_ptr + (row0 + offs_nm).to(gl.int64)[:, None] * n_groups + groups[None, :],
+                                  mask=(row0 + offs_nm < M)[:, None] & (groups < n_groups)[None, :], other=0)
+                nibbles = gl.convert_layout(nibbles, gl.SliceLayout(2, bit_layout)).to(gl.int32)
+                bits = (gl.expand_dims(nibbles, 2) >> gl.expand_dims(gl.expand_dims(offs_bit, 0), 1)) & 1
+                keep = (gl.convert_layout(gl.reshape(bits, [BLOCK_M, BLOCK_N]), acc_layout) != 0) | \
+                    (dropped == 0)[:, None]
+                acc = gl.where(keep, acc * row_factor[:, None], 0.0)
+            first_use: gl.constexpr = 0 if OUT_DROPOUT else 1  # the first K step onto the accumulator
             for ki in range(k_steps):
                 buf = step % STAGES
                 mbarrier.wait(ready.index(buf), (step // STAGES) & 1)
                 w_op = w_bufs.index(buf).permute((1, 0)) if FORWARD else w_bufs.index(buf)
-                acc = warpgroup_mma(a_bufs.index(buf), w_op, acc, use_acc=ki > 0, is_async=True)
+                acc = warpgroup_mma(a_bufs.index(buf), w_op, acc, use_acc=ki >= first_use, is_async=True)
                 # at most this wgmma in flight: the previous step's buffer goes back to the loader
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-                if ki == gl.minimum(2, k_steps - 1):  # a few steps in, the previous tile's store is out:
-                    tma.store_wait(pendings=0)  # its buffer can take this tile's LoRA operands
-                    mbarrier.arrive(c_free)
+                if not OUT_DROPOUT:
+                    if ki == gl.minimum(2, k_steps - 1):  # a few steps in, the previous tile's store is out:
+                        tma.store_wait(pendings=0)  # its buffer can take this tile's LoRA operands
+                        mbarrier.arrive(c_free)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-            for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
-                              gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
-                row_start, row_end, rank, _, scale = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
-                rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
-                for r0 in range(0, rank, R_STEP):
-                    mbarrier.wait(lora_ready, lora_step & 1)
-                    # S's block rows of this tile only, its ranks only (the columns past them are
-                    # not written); forward: times scale_i in fp32, rounded back as the Triton kernel does
-                    st = s_buf.load(s_layout)
-                    st = gl.where(rows[:, None] & (r0 + offs_r < rank)[None, :], st, 0.0)
-                    if FORWARD:
-                        st = (st.to(gl.float32) * scale).to(dtype)
-                    if rank - r0 < R_STEP:  # the step's last rows belong to the next adapter: zero them
-                        lt = l_buf.load(l_layout)
-                        l_buf.store(gl.where((r0 + offs_lr < rank)[:, None], lt, 0.0))
-                        fence_async_shared()
-                    acc = warpgroup_mma(st, l_buf, acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    fence_async_shared()  # our reads of the buffer before the loader's next TMA write
-                    mbarrier.arrive(lora_empty)
-                    lora_step += 1
+            if not OUT_DROPOUT:
+                for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
+                                  gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
+                    row_start, row_end, rank, _, scale = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
+                    rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
+                    for r0 in range(0, rank, R_STEP):
+                        mbarrier.wait(lora_ready, lora_step & 1)
+                        acc = _add_lora_step(acc, s_buf, l_buf, rows, r0, rank, scale, offs_r, offs_lr, s_layout,
+                                             l_layout, FORWARD)
+                        mbarrier.arrive(lora_empty)
+                        lora_step += 1
             if HAS_BIAS:
                 # into new registers: ptxas serialises every wgmma of the kernel (a wait after each)
                 # once other instructions write the accumulator's registers
@@ -228,10 +313,11 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _lora_gemm_gluon_kernel(a_desc, w_desc, c_desc, s_desc, l_desc, bias_ptr, block_tiles_ptr, tiles_ptr,
-                                adapters_i_ptr, adapters_f_ptr, N, K, n_blocks, n_programs, FORWARD: gl.constexpr,
-                                HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                                PDL: gl.constexpr, num_warps: gl.constexpr):
+    def _lora_gemm_gluon_kernel(a_desc, w_desc, c_desc, s_desc, l_desc, bias_ptr, mask_ptr, block_tiles_ptr,
+                                tiles_ptr, adapters_i_ptr, adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs,
+                                FORWARD: gl.constexpr, OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                                STAGES: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
+                                num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -244,6 +330,11 @@ if gluon is not None:
         s_buf = c_smem._reinterpret(dtype, [BLOCK_N // R_STEP, BLOCK_M, R_STEP], s_desc.layout).index(0)
         l_buf = c_smem._reinterpret(dtype, [BLOCK_M // R_STEP, R_STEP, BLOCK_N], l_desc.layout).index(
             BLOCK_M // R_STEP // 2)
+        # with OUT_DROPOUT they go through the ring instead, ahead of the K steps: a rank step's S
+        # and L at the start of a slot's x (dY) and W buffers, slot b at index b * BLOCK_K // R_STEP
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        s_ring = a_bufs._reinterpret(dtype, [STAGES * BLOCK_K // R_STEP, BLOCK_M, R_STEP], s_desc.layout)
+        l_ring = w_bufs._reinterpret(dtype, [STAGES * BLOCK_K // R_STEP, R_STEP, BLOCK_N], l_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -256,12 +347,13 @@ if gluon is not None:
         mbarrier.init(lora_empty, count=1)
         mbarrier.init(c_free, count=1)
         gl.warp_specialize([
-            (_mma_partition, (c_desc, a_bufs, w_bufs, s_buf, l_buf, c_smem, ready, empty, lora_ready, lora_empty,
-                              c_free, bias_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N, K,
-                              n_blocks, n_programs, FORWARD, HAS_BIAS, GROUP_M, PDL, num_warps)),
-            (_load_partition, (a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, ready, empty,
-                               lora_ready, lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
-                               adapters_f_ptr, N, K, n_blocks, n_programs, FORWARD, GROUP_M, PDL)),
+            (_mma_partition, (c_desc, a_bufs, w_bufs, s_buf, l_buf, s_ring, l_ring, c_smem, ready, empty, lora_ready,
+                              lora_empty, c_free, bias_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
+                              adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs, FORWARD, OUT_DROPOUT, HAS_BIAS,
+                              GROUP_M, PDL, num_warps)),
+            (_load_partition, (a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, s_ring, l_ring, ready,
+                               empty, lora_ready, lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
+                               adapters_f_ptr, N, K, n_blocks, n_programs, FORWARD, OUT_DROPOUT, GROUP_M, PDL)),
         ], [1], [40])
 
 
@@ -285,10 +377,10 @@ def lora_gemm_gluon(
     out: torch.Tensor,  # [M, N], written
     meta: LoRABatchMeta,
     forward: bool,
+    mask_nibbles: Optional[torch.Tensor] = None,  # dX with dropout: the forward's keep-mask, uint8 [M, ceil(N / 4)]
 ) -> torch.Tensor:
-    """`lora_gemm`'s fused path (no dropout mask) on Hopper: 16-bit operands that TMA can
-    describe (`tma_ready`), blocks 128 x 256 x 64, 3 stages, 8 MMA warps and one loading
-    warp, one program per SM."""
+    """`lora_gemm`'s fused path on Hopper: 16-bit operands that TMA can describe (`tma_ready`),
+    blocks 128 x 256 x 64, 3 stages, 8 MMA warps and one loading warp, one program per SM."""
     cfg = meta.config
     M, K = a.shape
     N = out.shape[1]
@@ -299,10 +391,13 @@ def lora_gemm_gluon(
     r_step = 16 if meta.max_rank <= 16 else 32 if meta.max_rank <= 32 else 64
     # an empty pack still needs a descriptor: one zero row of the right width, never read
     pack = lora_pack if lora_pack.shape[0] else lora_pack.new_zeros(1, N)
+    if mask_nibbles is not None:
+        assert mask_nibbles.is_contiguous() and mask_nibbles.shape == (M, cdiv(N, 4))
     _lora_gemm_gluon_kernel[(grid, )](
         _desc(a, [block_m, block_k]), _desc(w, [block_n, block_k] if forward else [block_k, block_n]),
         _desc(out, [block_m, block_n]), _desc(s, [block_m, r_step]), _desc(pack, [r_step, block_n]),
-        bias if bias is not None else out, *meta.block_args()[:4], N, K, meta.n_blocks,
-        grid, FORWARD=forward, HAS_BIAS=bias is not None, STAGES=3, GROUP_M=cfg.group_m, PDL=cfg.pdl,
-        num_warps=8, maxnreg=168, launch_pdl=cfg.pdl)
+        bias if bias is not None else out, mask_nibbles if mask_nibbles is not None else out,
+        *meta.block_args()[:4], M, N, K, meta.n_blocks, cdiv(N, 4), grid, FORWARD=forward,
+        OUT_DROPOUT=mask_nibbles is not None, HAS_BIAS=bias is not None, STAGES=3, GROUP_M=cfg.group_m,
+        PDL=cfg.pdl, num_warps=8, maxnreg=168, launch_pdl=cfg.pdl)
     return out

@@ -108,7 +108,9 @@ def _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, p):
     lora_a = [torch.randn(r, in_f, device="cuda", dtype=torch.float64) / in_f ** 0.5 for r in ranks]
     lora_b = [torch.randn(out_f, r, device="cuda", dtype=torch.float64) / r ** 0.5 for r in ranks]  # not zeros
     scales = [(2.0, 0.5, 1.0, 4.0, 0.25)[i % 5] for i in range(len(ranks))]
-    dropout_p, seeds = [p] * len(ranks), list(range(len(ranks)))
+    # p: every adapter's dropout, or "mixed": 0.1, 0, 0.2, 0, ... (row blocks of adapters with and without)
+    dropout_p = [(0.1, 0.0, 0.2, 0.0)[i % 4] for i in range(len(ranks))] if p == "mixed" else [p] * len(ranks)
+    seeds = list(range(len(ranks)))
     dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.float64)
     args = (x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds, dy)
     got = _layer_grads(functools.partial(triton_multi_lora_linear, config=config), *args, torch.bfloat16,
@@ -142,9 +144,10 @@ _needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.g
                                    reason="the Gluon GEMM is written for Hopper (sm_90)")
 
 
-# Without dropout both fused GEMMs take the Gluon kernel: segments shorter than a row block (so
-# blocks hold several adapters' rows), ranks of one rank step of 16, of several, and ending
-# mid-step (1, 17, 70, 130, 200), a bias; the Triton GEMM in the same run for comparison
+# Both fused GEMMs take the Gluon kernel, dX's with the keep-mask where adapters have dropout:
+# segments shorter than a row block (so blocks hold several adapters' rows, with and without
+# dropout), ranks of one rank step of 16, of several, and ending mid-step (1, 17, 70, 130, 200),
+# a bias; the Triton GEMM in the same run for comparison
 @_needs_hopper
 @pytest.mark.parametrize("seg_lens,ranks,in_f,out_f", [
     ([300, 5, 0, 77, 1, 2000, 130], [16, 1, 8, 17, 70, 130, 200], 4096, 4096),
@@ -152,18 +155,21 @@ _needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.g
 ])
 @pytest.mark.parametrize("gluon", ["always", "never"])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_gluon_gemm_bf16_against_float64(seg_lens, ranks, in_f, out_f, gluon, pdl):
+@pytest.mark.parametrize("p", [0.0, "mixed"])
+def test_gluon_gemm_bf16_against_float64(seg_lens, ranks, in_f, out_f, gluon, pdl, p):
     from lora_sweep.kernels import metadata
 
     config = dataclasses.replace(metadata.config_for(max(ranks), True, True), gluon_gemm=gluon, pdl=pdl)
-    _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, 0.0)
+    _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, p)
 
 
 @_needs_hopper
-def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself():
+@pytest.mark.parametrize("dropout_p", [[0.0] * 3, [0.1, 0.0, 0.2]])
+def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself(dropout_p):
     """Adapter 1's rows of x and dY are non-finite (a diverged trial), and they share row blocks
     with adapters 0 and 2. Y, dX and the gradients of the others are bit for bit what they are
-    without adapter 1's rows poisoned: the LoRA term masks each tile's rows of S (dS)."""
+    without adapter 1's rows poisoned: the LoRA term masks each tile's rows of S (dS), with
+    the keep-mask or without."""
     from lora_sweep.kernels import metadata, triton_multi_lora_linear
 
     torch.manual_seed(7)
@@ -175,7 +181,7 @@ def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself():
     lora_b = [torch.randn(out_f, r, device="cuda") / r ** 0.5 for r in ranks]
     config = dataclasses.replace(metadata.config_for(max(ranks), True, True), gluon_gemm="always")
     fn = functools.partial(triton_multi_lora_linear, config=config)
-    args = (weight, None, lora_a, lora_b, [1.0, 2.0, 0.5], [0.0] * 3, seg_lens, [1, 2, 3])
+    args = (weight, None, lora_a, lora_b, [1.0, 2.0, 0.5], dropout_p, seg_lens, [1, 2, 3])
     clean = _layer_grads(fn, x, *args, dy, torch.bfloat16, torch.float32)
     x[50:90], dy[50:90] = float("nan"), float("inf")
     poisoned = _layer_grads(fn, x, *args, dy, torch.bfloat16, torch.float32)
@@ -273,8 +279,9 @@ def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
              "pdl": (dataclasses.replace(fused, pdl=True), 0.0),
              "pdl_dropout": (dataclasses.replace(fused, pdl=True), 0.1),
              "pdl_two_passes_over_dy": (dataclasses.replace(fused, pdl=True, one_pass_dy=False), 0.0),
-             # the fused GEMMs in Triton where the Gluon one would run (Hopper, no dropout)
+             # the fused GEMMs in Triton where the Gluon one would run (Hopper)
              "triton_gemm": (dataclasses.replace(fused, gluon_gemm="never"), 0.0),
+             "triton_gemm_dropout": (dataclasses.replace(fused, gluon_gemm="never"), 0.1),
              "triton_gemm_pdl": (dataclasses.replace(fused, gluon_gemm="never", pdl=True), 0.0)}
 
     def step(config, p, dy):

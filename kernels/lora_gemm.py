@@ -26,12 +26,11 @@ may start while the kernel before it (the one that writes S or dS: a shrink, or 
 dS's partials) still runs, on the SMs that kernel leaves free, and its K loop reads only x
 (dY) and W; it waits for that kernel before it reads S (dS) or writes anything.
 
-On Hopper, in CUDA graphs, the fused GEMM without a dropout mask (Y, and dX where no adapter
-drops) runs in Gluon instead (`lora_gemm_gluon.py`, `KernelConfig.gluon_gemm`): warp-
-specialised, its loads pipelined across tiles, the LoRA term one more wgmma; the layer takes
-0.95x its time with this kernel at 16384 tokens, 0.96x at 2048 (medians, KERNELS_NOTES v28).
-Its launch costs the host more, so eager calls keep this kernel, as do dX's masked term, the
-GPUs before Hopper and CI's CPU checks.
+On Hopper the fused GEMM runs in Gluon instead (`lora_gemm_gluon.py`, `KernelConfig.gluon_gemm`):
+warp-specialised, its loads pipelined across tiles, the LoRA term one more wgmma; the layer
+takes 0.95x its time with this kernel at 16384 tokens, 0.96x at 2048, with dropout or
+without (medians, KERNELS_NOTES v29). This kernel runs on the GPUs before Hopper, for
+32-bit inputs, and in CI's CPU checks.
 
 The LoRA MMAs run on the base operand's dtype (bf16 on GPU: S/dS are stored in it and the
 adapters are packed in it per call) with fp32 accumulation. The rank loop steps over each

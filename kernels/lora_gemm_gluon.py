@@ -1,8 +1,8 @@
 """The fused base GEMM of `lora_gemm.py` for Hopper, written in Gluon: one warp loads, eight
 multiply, and the LoRA term is one more wgmma on the tile's accumulator.
 
-    Y  = x @ W^T + bias + scale_i * S @ B_i^T       (forward)
-    dX = dY @ W + dS @ A_i                          (backward, no adapter with dropout)
+    Y  = x @ W^T + bias + scale_i * S @ B_i^T                  (forward)
+    dX = dY @ W + keep_i / (1 - p_i) * (dS @ A_i)              (backward)
 
 Triton's own pipeliner keeps a persistent GEMM's loads flowing across tiles only while its
 loop holds one dot; with the LoRA dot after the K steps it stops pipelining, and the nested
@@ -19,14 +19,25 @@ included, never reach this one's rows), scale S by scale_i (forward), and add th
 one wgmma whose first operand comes from registers. The tile leaves through TMA while the
 next one starts.
 
+dX with dropout masks the LoRA term by the keep-mask the forward shrink stored, which an
+accumulator already holding the base product cannot take. So its term comes first: the
+loading warp puts its rank steps through the ring ahead of the tile's K steps (the S and A
+blocks at the start of a slot's x and W buffers), the MMA warps add them onto zeros, mask
+the result, and run the K steps on top. The mask's nibbles are loaded 16 to a thread and
+handed through shared memory to the threads whose accumulator columns they cover: loaded
+where the accumulator holds them, each thread's 128 byte loads spilled registers and the
+masked GEMM ran 1.04x cuBLAS's time (median of 6) against 1.03x (KERNELS_NOTES v29).
+
 As plain GEMMs with a rank-16 term, on an H200 at one clock, this schedule took 0.98-1.05x
 cuBLAS's time where the Triton kernel took 1.03-1.06x (`benchmarks/gemm_schedule.py`,
-`gluon_ws_lora_last`, KERNELS_NOTES v28); the layer took 0.95x its time with the Triton
-GEMM at 16384 tokens, 0.96x at 2048. `lora_gemm` runs it on Hopper (`KernelConfig.gluon_gemm`,
-"always" by default; "in_graphs" keeps eager calls on the Triton kernel, whose launch builds
-two TMA descriptors on the host where this one builds five: an engine step that is GPU-bound
-gained 2-5% from it eagerly, one that is host-bound did not measurably lose, KERNELS_NOTES
-v29). dX with dropout (a masked term, added before the K steps) stays on the Triton kernel.
+`gluon_ws_lora_last`, KERNELS_NOTES v28). With the layer's LoRA term (`benchmarks/kernels.py
+--sections gemm`, v29), medians of 6 over cuBLAS: Y 1.009x (the Triton kernel 1.077x), dX
+1.007x (1.022x), dX with the keep-mask 1.029x (1.048x). The layer took 0.95x its time with the
+Triton GEMM at 16384 tokens, 0.96x at 2048, with dropout or without. `lora_gemm` runs it on
+Hopper (`KernelConfig.gluon_gemm`, "always" by default; "in_graphs" keeps eager calls on the
+Triton kernel, whose launch builds two TMA descriptors on the host where this one builds
+five: an engine step that is GPU-bound ran 1.02-1.12x faster with it eagerly, in four A/B
+pairs; one that is host-bound moved 0.92-1.13x, its noise; KERNELS_NOTES v29).
 
 Gluon kernels do not run under TRITON_INTERPRET=1: CI checks the Triton kernel on the CPU,
 and the GPU tests check this one against float64 (`tests/test_fused_ops_gpu.py`).

@@ -63,12 +63,12 @@ class KernelConfig:
     # kernel that writes S or dS still runs, and wait for it only before the LoRA term;
     # 1.3% less layer time at 2048 tokens, 0.6% at 16384 (median, KERNELS_NOTES v27)
     pdl: bool = False
-    # on Hopper, the fused GEMM without a dropout mask (Y; dX where no adapter drops) in Gluon,
-    # warp-specialised with its loads pipelined across tiles (lora_gemm_gluon.py, KERNELS_NOTES v28):
-    # "never", "in_graphs" (only while a CUDA graph is captured) or "always". Its launch builds
-    # five TMA descriptors on the host, the Triton kernel's two; in turn with "in_graphs", "always"
-    # gave an 8B model's GPU-bound step 1.049x and 1.024x the tokens/s and a 1B model's host-bound
-    # step 0.93x and 1.13x, within that step's noise (KERNELS_NOTES v29)
+    # on Hopper, the fused GEMMs (Y, dX) in Gluon, warp-specialised with their loads pipelined
+    # across tiles (lora_gemm_gluon.py, KERNELS_NOTES v28, v29): "never", "in_graphs" (only while
+    # a CUDA graph is captured) or "always". Its launch builds five TMA descriptors on the host,
+    # the Triton kernel's two; in turn with "in_graphs", "always" gave an 8B model's GPU-bound
+    # step 1.02-1.12x the tokens/s (four pairs) and a 1B model's host-bound step 0.92-1.13x,
+    # within that step's noise (KERNELS_NOTES v29)
     gluon_gemm: str = "never"
     # the LoRA term added in place to a cuBLAS product
     add_block_n: int = 128

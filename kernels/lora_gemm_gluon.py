@@ -40,7 +40,10 @@ five: an engine step that is GPU-bound ran 1.02-1.12x faster with it eagerly, in
 pairs; one that is host-bound moved 0.92-1.13x, its noise; KERNELS_NOTES v29).
 
 Gluon kernels do not run under TRITON_INTERPRET=1: CI checks the Triton kernel on the CPU,
-and the GPU tests check this one against float64 (`tests/test_fused_ops_gpu.py`).
+and the GPU tests check this one against float64 (`tests/test_fused_ops_gpu.py`). Gluon is
+experimental and changes between Triton releases, so this kernel runs only with the releases
+it was checked with (`metadata.GLUON_TRITON_RELEASES`, Triton 3.6); others take the Triton
+GEMM.
 """
 
 from __future__ import annotations

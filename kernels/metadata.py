@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -134,15 +133,28 @@ def hopper_or_newer() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def _gluon_gemm_runs() -> bool:
+# Triton releases whose Gluon language the Gluon GEMM was written in and checked with on a
+# GPU. Gluon is experimental and changes between releases (3.9 renamed the shared-memory view
+# the kernel takes of its buffers), so other releases get the Triton GEMM.
+GLUON_TRITON_RELEASES = ("3.6",)
+
+
+def gluon_release(release: str) -> bool:
+    """Whether Triton `release` (as `triton.__version__`) is one of `GLUON_TRITON_RELEASES`."""
+    return any(release == r or release.startswith(r + ".") for r in GLUON_TRITON_RELEASES)
+
+
+@functools.lru_cache(maxsize=1)
+def gluon_gemm_runs() -> bool:
     """Whether the Gluon GEMM can run here: a Hopper GPU (sm_90; its wgmma and register
-    budget are Hopper's) and a Triton with Gluon's Hopper language."""
+    budget are Hopper's) and a Triton release it was checked with (`gluon_release`)."""
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         return False
     try:
-        return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
-    except ModuleNotFoundError:
+        import triton
+    except ImportError:
         return False
+    return gluon_release(triton.__version__)
 
 
 @functools.lru_cache(maxsize=8)
@@ -278,7 +290,7 @@ def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelCo
         # the registers per thread of the 64-row, 4-warp config.
         return KernelConfig(block_m=FUSED_BLOCK_M, gemm_block_n=256, gemm_block_k=64, gemm_warps=8, gemm_stages=3,
                             fused_base=True, add_block_n=128, add_warps=8, pdl=hopper_or_newer(),
-                            gluon_gemm="always" if _gluon_gemm_runs() else "never", **shared)
+                            gluon_gemm="always" if gluon_gemm_runs() else "never", **shared)
     # cuBLAS base GEMMs plus the LoRA term added in place: its adds ran 5-15% faster on 64-row
     # tiles than on 128-row ones (v5).
     return KernelConfig(block_m=64, fused_base=False, add_block_n=128, add_warps=4, **shared)

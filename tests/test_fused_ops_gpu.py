@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from lora_sweep.kernels.metadata import gluon_gemm_runs
 from lora_sweep.kernels.reference import IGNORE_INDEX, reference_cross_entropy_rows, reference_silu_mul
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -140,8 +141,8 @@ def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f, pd
     _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, 0.1)
 
 
-_needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                                   reason="the Gluon GEMM is written for Hopper (sm_90)")
+_needs_hopper = pytest.mark.skipif(not gluon_gemm_runs(), reason="the Gluon GEMM is written for Hopper (sm_90) "
+                                   "and the Triton releases of `metadata.GLUON_TRITON_RELEASES`")
 
 
 # Both fused GEMMs take the Gluon kernel, dX's with the keep-mask where adapters have dropout:

@@ -36,6 +36,7 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     INTERPRET_CONFIG,
     LoRABatchMeta,
     config_for,
+    gluon_release,
     reduce_chunk_rows,
     shrink_blocks,
 )
@@ -246,6 +247,12 @@ def test_widths_tma_cannot_read_fall_back_to_the_in_place_add():
     with pytest.raises(ValueError, match="TMA"):
         lora_gemm(x.detach(), weight, bias, s, bt_pack, torch.empty(x.shape[0], 23), meta, forward=True,
                   fused_base=True)
+
+
+def test_gluon_gemm_only_on_the_triton_releases_it_was_checked_with():
+    # Gluon changes between Triton releases (3.9 renamed shared-memory views): others take the Triton GEMM
+    assert gluon_release("3.6.0") and gluon_release("3.6.1") and gluon_release("3.6")
+    assert not gluon_release("3.9.0") and not gluon_release("3.60.0") and not gluon_release("3.5.1")
 
 
 def test_shrink_programs_shrink_where_the_layout_has_few_tiles():

@@ -141,7 +141,7 @@ def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f, pd
     _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, 0.1)
 
 
-_needs_hopper = pytest.mark.skipif(not gluon_gemm_runs(), reason="the Gluon GEMM is written for Hopper (sm_90) "
+_needs_gluon_gemm = pytest.mark.skipif(not gluon_gemm_runs(), reason="the Gluon GEMM is written for Hopper (sm_90) "
                                    "and the Triton releases of `metadata.GLUON_TRITON_RELEASES`")
 
 
@@ -149,7 +149,7 @@ _needs_hopper = pytest.mark.skipif(not gluon_gemm_runs(), reason="the Gluon GEMM
 # segments shorter than a row block (so blocks hold several adapters' rows, with and without
 # dropout), ranks of one rank step of 16, of several, and ending mid-step (1, 17, 70, 130, 200),
 # a bias; the Triton GEMM in the same run for comparison
-@_needs_hopper
+@_needs_gluon_gemm
 @pytest.mark.parametrize("seg_lens,ranks,in_f,out_f", [
     ([300, 5, 0, 77, 1, 2000, 130], [16, 1, 8, 17, 70, 130, 200], 4096, 4096),
     ([1000, 24, 1000], [16, 16, 16], 3584, 18944),
@@ -164,7 +164,7 @@ def test_gluon_gemm_bf16_against_float64(seg_lens, ranks, in_f, out_f, gluon, pd
     _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, p)
 
 
-@_needs_hopper
+@_needs_gluon_gemm
 @pytest.mark.parametrize("dropout_p", [[0.0] * 3, [0.1, 0.0, 0.2]])
 def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself(dropout_p):
     """Adapter 1's rows of x and dY are non-finite (a diverged trial), and they share row blocks
@@ -195,7 +195,7 @@ def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself(dropout_p):
         assert torch.equal(poisoned[5 + i], clean[5 + i]), f"dB{i}"
 
 
-@_needs_hopper
+@_needs_gluon_gemm
 def test_gluon_gemm_dispatch_eagerly_and_in_graphs():
     """On Hopper the default (`gluon_gemm="always"`) runs the Gluon GEMM in eager calls, as the
     profiler names the kernels; with "in_graphs" a call captured in a CUDA graph runs the

@@ -491,9 +491,6 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 if default.one_pass_dy:  # dS and dB in two passes over dY, as before one_pass_dy
                     two_pass = dataclasses.replace(default, one_pass_dy=False)
                     graphed["fused_two_pass"] = (lambda q: m_fused(q, two_pass), p)
-                    # the dS sum adding one column block's partials after another, as until v30
-                    ds_sum_serial = dataclasses.replace(default, ds_sum_col_blocks=1)
-                    graphed["fused_ds_sum_serial"] = (lambda q: m_fused(q, ds_sum_serial), p)
                 if rank_blocks_differ(ranks):  # every program on the largest rank block
                     one_block = dataclasses.replace(default, fit_rank_block=False)
                     graphed["fused_one_rank_block"] = (lambda q: m_fused(q, one_block), p)
@@ -751,18 +748,16 @@ def section_gemm(res, device, tokens_list=TOKENS, variant_names=None, rounds=4):
     res["gemm"] = out_rows
 
 
-PROFILE_ROWS = ((4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"), (4096, 14336, 16384, 4, "16"),
-                (3584, 18944, 16384, 32, "mixed"), (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"),
-                (4096, 4096, 2048, 16, "mixed"), (4096, 4096, 2048, 32, "64"))
-
-
-def section_profile(res, device, rows=PROFILE_ROWS):
+def section_profile(res, device):
     """Where one fused fwd+bwd spends its time: per-kernel CUDA time (torch.profiler) and the
     host time to enqueue it (if that exceeds the GPU time, the op is host-bound)."""
     from torch.profiler import ProfilerActivity, profile
 
     out = []
-    for in_f, out_f, tokens, n, kind in rows:
+    for in_f, out_f, tokens, n, kind in ((4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"),
+                                         (4096, 14336, 16384, 4, "16"), (3584, 18944, 16384, 32, "mixed"),
+                                         (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"),
+                                         (4096, 4096, 2048, 16, "mixed"), (4096, 4096, 2048, 32, "64")):
         if DRY:
             in_f, out_f, tokens = 64, 48, 64
         ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
@@ -1351,8 +1346,6 @@ def summarize(res):
                 ("graphed_fused_over_base", "fused", "base", True),
                 # one pass over dY for dS and dB against two
                 ("graphed_one_pass_over_two_pass", "fused", "fused_two_pass", False),
-                # the dS sum loading several column blocks' partials at once, against one at a time (v30)
-                ("graphed_ds_sum_grouped_over_serial", "fused", "fused_ds_sum_serial", False),
                 # dropout 0.05 on every adapter against none, and over the base
                 ("graphed_dropout_cost", "fused_dropout", "fused", False),
                 ("graphed_fused_dropout_over_base", "fused_dropout", "base", True),
@@ -1479,9 +1472,6 @@ def main():
                     help="gemm: comma-separated names of GEMM_VARIANTS to time (default: all)")
     ap.add_argument("--shapes", default=None,
                     help="main: comma-separated in x out features, e.g. 4096x14336 (default: all of SHAPES)")
-    ap.add_argument("--profile-rows", default=None,
-                    help="profile: comma-separated rows as in x out x tokens x adapters x rank, e.g. "
-                         "4096x14336x2048x4x64 (default: PROFILE_ROWS)")
     ap.add_argument("--graphed", default=None,
                     help="main: comma-separated graphed variants to time besides base and fused (default: all)")
     ap.add_argument("--rounds", type=int, default=4,
@@ -1508,8 +1498,6 @@ def main():
         if args.packs and not DRY else PACKS
     shapes = [tuple(int(d) for d in sh.split("x")) for sh in args.shapes.split(",")] \
         if args.shapes and not DRY else SHAPES
-    profile_rows = [(*(int(d) for d in row.split("x")[:4]), row.split("x")[4]) for row in args.profile_rows.split(",")] \
-        if args.profile_rows and not DRY else PROFILE_ROWS
     for sec in args.sections.split(","):
         t = time.time()
         try:
@@ -1521,7 +1509,7 @@ def main():
                 section_main(res, device, deadline, packs=packs, shapes=shapes, tokens_list=tokens,
                              graphed_names=args.graphed.split(",") if args.graphed else None)
             elif sec == "profile":
-                section_profile(res, device, profile_rows)
+                section_profile(res, device)
             elif sec == "host":
                 section_host(res, device)
             elif sec == "power":

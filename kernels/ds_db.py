@@ -8,7 +8,7 @@ dB reduction walks column blocks over a chunk's rows. Here one program owns a (c
 column block) pair and streams the chunk's rows of dY once, with both MMAs on each
 [BLOCK_M, BLOCK_N] tile of it (`_ds_db_kernel`): dB's accumulator stays in registers over
 the rows, as in the row reduction; dS sums over columns, so each column block writes its
-share as an fp32 partial, and `_ds_sum_kernel` adds a row's partials in a fixed order. No
+share as an fp32 partial, and `_ds_sum_kernel` adds a row's partials in column order. No
 atomics: the gradients are deterministic, as on the two-pass path.
 
 The partials cost 8 * rank_stride bytes per row per column block (written, then read),
@@ -105,7 +105,6 @@ def _ds_sum_kernel(
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program: a divisor of the tile height (grid axis 1 covers the tile)
     BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,  # column blocks' partials loaded at once
     PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
     wait_for_previous_kernel(PDL)  # the pass over dY wrote the partials
@@ -119,18 +118,12 @@ def _ds_sum_kernel(
         return
     offs_m = row_start + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_c = tl.arange(0, BLOCK_C)
     mask = (offs_m < row_end)[:, None] & (offs_r < rank)[None, :]
-    # [BLOCK_C, BLOCK_M, BLOCK_R]: BLOCK_C column blocks' partials of the same rows. Each is
-    # a few KB, so one at a time a program waits out a memory latency per column block (v29's
-    # profile: 13 us for 7 MB of partials at 2048 tokens x 14336 columns, 56 blocks).
-    ptrs = (ds_part_ptr + offs_c[:, None, None].to(tl.int64) * M * rank_stride
-            + (offs_m[:, None].to(tl.int64) * rank_stride + offs_r[None, :])[None, :, :])
+    ptrs = ds_part_ptr + offs_m[:, None].to(tl.int64) * rank_stride + offs_r[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for c0 in range(0, n_col_blocks, BLOCK_C):  # fixed order: deterministic
-        c_mask = (c0 + offs_c) < n_col_blocks
-        acc += tl.sum(tl.load(ptrs, mask=c_mask[:, None, None] & mask[None, :, :], other=0.0), axis=0)
-        ptrs += BLOCK_C * M * rank_stride
+    for _ in range(0, n_col_blocks):  # column order: deterministic
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += M * rank_stride
     out_ptrs = ds_ptr + offs_m[:, None].to(tl.int64) * stride_dsm + offs_r[None, :]
     tl.store(out_ptrs, (acc * scale).to(ds_ptr.dtype.element_ty), mask=mask)
 
@@ -173,7 +166,7 @@ def lora_ds_db(
     sum_m = min(32, cfg.block_m)
     _ds_sum_kernel[(meta.n_tiles, cfg.block_m // sum_m)](
         ds_part, ds, *meta.args(), M, meta.rank_stride, n_col_blocks, ds.stride(0),
-        BLOCK_M=sum_m, BLOCK_C=cfg.ds_sum_col_blocks, PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl, **common)
+        BLOCK_M=sum_m, PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl, **common)
     if not direct:
         chunk_sum(db_part, db, meta, N, meta.block_r, out_is_b=True)
 

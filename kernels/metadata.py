@@ -106,8 +106,6 @@ class KernelConfig:
     one_pass_dy: bool = False
     ds_db_block_n: int = 256  # columns of dY per program
     ds_db_warps: int = 8
-    # column blocks whose dS partials one program of the dS sum loads at once (1: one after another, as until v30)
-    ds_sum_col_blocks: int = 8  # a power of two
     # in a CUDA graph, the backward's dA (and, in two passes over dY, dB) on a second stream
     # beside the dS shrink and the dX GEMM, which need neither: median 0.98x the layer's GPU
     # time at 2048 tokens (to 0.94x), 0.99x at 16384; eagerly it costs the host more (v21)
@@ -119,7 +117,7 @@ INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, ge
                                 gemm_stages=1, group_m=2, add_block_n=32, shrink_block_m=16, shrink_block_k=32,
                                 reduce_block_m=16, reduce_block_n=32, reduce_max_block_r=32, db_block_m=16,
                                 db_block_n=16, db_max_block_r=16, chunk_rows=32, chunk_sum_values=256,
-                                one_pass_dy=True, ds_db_block_n=16, ds_sum_col_blocks=2)
+                                one_pass_dy=True, ds_db_block_n=16)
 
 
 def cdiv(a: int, b: int) -> int:

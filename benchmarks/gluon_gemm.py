@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 # the library kernel's tile order and TMA descriptors: the probes walk tiles as it does
-from lora_sweep.kernels.lora_gemm_gluon import _desc, _pair
+from lora_sweep.kernels.lora_gemm_gluon import _desc, _pair, _tma_load, _tma_store
 
 LORA_RANK = 16
 
@@ -50,11 +50,11 @@ def _issue_step_load(step, k_steps, n_programs, num_pid_m, num_pid_n, a_desc, w_
     buf = step % STAGES
     bar = ready.index(buf)
     mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(a_desc, [pm * BLOCK_M, k], bar, a_bufs.index(buf), pred)
+    _tma_load(a_desc, [pm * BLOCK_M, k], bar, a_bufs.index(buf), pred)
     if FORWARD:  # W [N, K]: Y = x @ W^T
-        tma.async_copy_global_to_shared(w_desc, [pn * BLOCK_N, k], bar, w_bufs.index(buf), pred)
+        _tma_load(w_desc, [pn * BLOCK_N, k], bar, w_bufs.index(buf), pred)
     else:  # W^T stored [K, N]
-        tma.async_copy_global_to_shared(w_desc, [k, pn * BLOCK_N], bar, w_bufs.index(buf), pred)
+        _tma_load(w_desc, [k, pn * BLOCK_N], bar, w_bufs.index(buf), pred)
 
 
 @gluon.jit
@@ -66,8 +66,8 @@ def _issue_lora_load(idx, n_tiles, n_programs, num_pid_m, num_pid_n, s_desc, l_d
     pm, pn = _pair(idx, n_programs, num_pid_m, num_pid_n, GROUP_M)
     pred = idx < n_tiles
     mbarrier.expect(lora_bar, s_desc.block_type.nbytes + l_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(s_desc, [pm * BLOCK_M, 0], lora_bar, s_buf, pred)
-    tma.async_copy_global_to_shared(l_desc, [0, pn * BLOCK_N], lora_bar, l_buf, pred)
+    _tma_load(s_desc, [pm * BLOCK_M, 0], lora_bar, s_buf, pred)
+    _tma_load(l_desc, [0, pn * BLOCK_N], lora_bar, l_buf, pred)
 
 
 @gluon.jit
@@ -138,7 +138,7 @@ def _gluon_gemm_kernel(a_desc, w_desc, c_desc, s_desc, l_desc, M, N, K, n_progra
         tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
         c_smem.store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [pm * BLOCK_M, pn * BLOCK_N], c_smem)
+        _tma_store(c_desc, [pm * BLOCK_M, pn * BLOCK_N], c_smem)
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -184,11 +184,11 @@ def _ws_load_partition(a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_
             mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)
             bar = ready.index(buf)
             mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pm * BLOCK_M, ki * BLOCK_K], bar, a_bufs.index(buf))
+            _tma_load(a_desc, [pm * BLOCK_M, ki * BLOCK_K], bar, a_bufs.index(buf))
             if FORWARD:
-                tma.async_copy_global_to_shared(w_desc, [pn * BLOCK_N, ki * BLOCK_K], bar, w_bufs.index(buf))
+                _tma_load(w_desc, [pn * BLOCK_N, ki * BLOCK_K], bar, w_bufs.index(buf))
             else:
-                tma.async_copy_global_to_shared(w_desc, [ki * BLOCK_K, pn * BLOCK_N], bar, w_bufs.index(buf))
+                _tma_load(w_desc, [ki * BLOCK_K, pn * BLOCK_N], bar, w_bufs.index(buf))
             step += 1
             # the LoRA operands after the step loads that come before their use (the tile's
             # last for a term after the K steps, its first for one before), so that waiting
@@ -197,8 +197,8 @@ def _ws_load_partition(a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_
                 if ki == (k_steps - 1 if LORA == 1 else 0):
                     mbarrier.wait(lora_empty, (idx & 1) ^ 1)  # barriers start with phase 1 complete
                     mbarrier.expect(lora_ready, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(s_desc, [pm * BLOCK_M, 0], lora_ready, s_buf)
-                    tma.async_copy_global_to_shared(l_desc, [0, pn * BLOCK_N], lora_ready, l_buf)
+                    _tma_load(s_desc, [pm * BLOCK_M, 0], lora_ready, s_buf)
+                    _tma_load(l_desc, [0, pn * BLOCK_N], lora_ready, l_buf)
 
 
 @gluon.jit
@@ -248,7 +248,7 @@ def _ws_mma_partition(c_desc, a_bufs, w_bufs, s_buf, l_buf, c_smem, ready, empty
         tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
         c_smem.store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [pm * BLOCK_M, pn * BLOCK_N], c_smem)
+        _tma_store(c_desc, [pm * BLOCK_M, pn * BLOCK_N], c_smem)
     tma.store_wait(pendings=0)
 
 

@@ -65,8 +65,13 @@ except ImportError:  # pragma: no cover - the Triton path runs instead
     gluon = None
 
 
-
 if gluon is not None:
+    # Triton 3.9 renamed three of Gluon's calls that this kernel makes: the TMA copies
+    # (3.6's async_copy_global_to_shared and async_copy_shared_to_global) and a shared buffer's
+    # view in another shape (3.6's _reinterpret). The kernel takes whichever this Triton has.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _VIEW_RENAMED = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
     _RANK = gl.constexpr(ADAPTER_INT_COLS.index("rank"))
     _R_OFFSET = gl.constexpr(ADAPTER_INT_COLS.index("r_offset"))
     _THRESHOLD = gl.constexpr(ADAPTER_INT_COLS.index("keep_threshold"))
@@ -74,6 +79,14 @@ if gluon is not None:
     _INV_KEEP = gl.constexpr(ADAPTER_FLOAT_COLS.index("inv_keep"))
     _N_INT = gl.constexpr(len(ADAPTER_INT_COLS))
     _N_FLOAT = gl.constexpr(len(ADAPTER_FLOAT_COLS))
+
+    @gluon.jit
+    def _view(buf, shape: gl.constexpr, desc):
+        """The shared buffer `buf` seen as `shape` of `desc`'s blocks (its dtype and layout)."""
+        if _VIEW_RENAMED:
+            return buf.reinterpret(desc.dtype, shape, desc.layout)
+        else:
+            return buf._reinterpret(desc.dtype, shape, desc.layout)
 
     @gluon.jit
     def _wait_for_previous_kernel(PDL: gl.constexpr):
@@ -152,9 +165,9 @@ if gluon is not None:
                         mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)
                         bar = ready.index(buf)
                         mbarrier.expect(bar, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(s_desc, [row0, r0], bar,
+                        _tma_load(s_desc, [row0, r0], bar,
                                                         s_ring.index(buf * (BLOCK_K // R_STEP)))
-                        tma.async_copy_global_to_shared(l_desc, [r_offset + r0, n0], bar,
+                        _tma_load(l_desc, [r_offset + r0, n0], bar,
                                                         l_ring.index(buf * (BLOCK_K // R_STEP)))
                         step += 1
             for ki in range(k_steps):
@@ -162,11 +175,11 @@ if gluon is not None:
                 mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)  # barriers start as if freed once
                 bar = ready.index(buf)
                 mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row0, ki * BLOCK_K], bar, a_bufs.index(buf))
+                _tma_load(a_desc, [row0, ki * BLOCK_K], bar, a_bufs.index(buf))
                 if FORWARD:  # W [N, K]
-                    tma.async_copy_global_to_shared(w_desc, [n0, ki * BLOCK_K], bar, w_bufs.index(buf))
+                    _tma_load(w_desc, [n0, ki * BLOCK_K], bar, w_bufs.index(buf))
                 else:  # W [K, N]
-                    tma.async_copy_global_to_shared(w_desc, [ki * BLOCK_K, n0], bar, w_bufs.index(buf))
+                    _tma_load(w_desc, [ki * BLOCK_K, n0], bar, w_bufs.index(buf))
                 step += 1
             if not OUT_DROPOUT:
                 # x (dY) and W were written before the kernel before this one started; S (dS) is
@@ -179,8 +192,8 @@ if gluon is not None:
                     for r0 in range(0, rank, R_STEP):
                         mbarrier.wait(lora_empty, (lora_step & 1) ^ 1)
                         mbarrier.expect(lora_ready, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(s_desc, [row0, r0], lora_ready, s_buf)
-                        tma.async_copy_global_to_shared(l_desc, [r_offset + r0, n0], lora_ready, l_buf)
+                        _tma_load(s_desc, [row0, r0], lora_ready, s_buf)
+                        _tma_load(l_desc, [r_offset + r0, n0], lora_ready, l_buf)
                         lora_step += 1
 
     @gluon.jit
@@ -323,7 +336,7 @@ if gluon is not None:
             tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
             c_smem.store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [row0, n0], c_smem)  # rows and columns past the edge dropped
+            _tma_store(c_desc, [row0, n0], c_smem)  # rows and columns past the edge dropped
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -341,14 +354,14 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         R_STEP: gl.constexpr = s_desc.block_type.shape[1]
-        s_buf = c_smem._reinterpret(dtype, [BLOCK_N // R_STEP, BLOCK_M, R_STEP], s_desc.layout).index(0)
-        l_buf = c_smem._reinterpret(dtype, [BLOCK_M // R_STEP, R_STEP, BLOCK_N], l_desc.layout).index(
+        s_buf = _view(c_smem, [BLOCK_N // R_STEP, BLOCK_M, R_STEP], s_desc).index(0)
+        l_buf = _view(c_smem, [BLOCK_M // R_STEP, R_STEP, BLOCK_N], l_desc).index(
             BLOCK_M // R_STEP // 2)
         # with OUT_DROPOUT they go through the ring instead, ahead of the K steps: a rank step's S
         # and L at the start of a slot's x (dY) and W buffers, slot b at index b * BLOCK_K // R_STEP
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        s_ring = a_bufs._reinterpret(dtype, [STAGES * BLOCK_K // R_STEP, BLOCK_M, R_STEP], s_desc.layout)
-        l_ring = w_bufs._reinterpret(dtype, [STAGES * BLOCK_K // R_STEP, R_STEP, BLOCK_N], l_desc.layout)
+        s_ring = _view(a_bufs, [STAGES * BLOCK_K // R_STEP, BLOCK_M, R_STEP], s_desc)
+        l_ring = _view(w_bufs, [STAGES * BLOCK_K // R_STEP, R_STEP, BLOCK_N], l_desc)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):

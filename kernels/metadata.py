@@ -133,10 +133,10 @@ def hopper_or_newer() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-# Triton releases whose Gluon language the Gluon GEMM was written in and checked with on a
-# GPU. Gluon is experimental and changes between releases (3.9 renamed the shared-memory view
-# the kernel takes of its buffers), so other releases get the Triton GEMM.
-GLUON_TRITON_RELEASES = ("3.6",)
+# Triton releases whose Gluon language the Gluon GEMM was checked with on a GPU. Gluon is
+# experimental and changes between releases (3.9 renamed three of the calls the kernel makes,
+# which it now takes under either name), so other releases get the Triton GEMM.
+GLUON_TRITON_RELEASES = ("3.6", "3.9")
 
 
 def gluon_release(release: str) -> bool:

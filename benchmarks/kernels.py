@@ -748,16 +748,18 @@ def section_gemm(res, device, tokens_list=TOKENS, variant_names=None, rounds=4):
     res["gemm"] = out_rows
 
 
-def section_profile(res, device):
+PROFILE_ROWS = ((4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"), (4096, 14336, 16384, 4, "16"),
+                (3584, 18944, 16384, 32, "mixed"), (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"),
+                (4096, 4096, 2048, 16, "mixed"), (4096, 4096, 2048, 32, "64"))
+
+
+def section_profile(res, device, rows=PROFILE_ROWS):
     """Where one fused fwd+bwd spends its time: per-kernel CUDA time (torch.profiler) and the
     host time to enqueue it (if that exceeds the GPU time, the op is host-bound)."""
     from torch.profiler import ProfilerActivity, profile
 
     out = []
-    for in_f, out_f, tokens, n, kind in ((4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"),
-                                         (4096, 14336, 16384, 4, "16"), (3584, 18944, 16384, 32, "mixed"),
-                                         (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"),
-                                         (4096, 4096, 2048, 16, "mixed"), (4096, 4096, 2048, 32, "64")):
+    for in_f, out_f, tokens, n, kind in rows:
         if DRY:
             in_f, out_f, tokens = 64, 48, 64
         ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
@@ -1472,6 +1474,9 @@ def main():
                     help="gemm: comma-separated names of GEMM_VARIANTS to time (default: all)")
     ap.add_argument("--shapes", default=None,
                     help="main: comma-separated in x out features, e.g. 4096x14336 (default: all of SHAPES)")
+    ap.add_argument("--profile-rows", default=None,
+                    help="profile: comma-separated rows as in x out x tokens x adapters x rank, e.g. "
+                         "4096x14336x2048x4x64 (default: PROFILE_ROWS)")
     ap.add_argument("--graphed", default=None,
                     help="main: comma-separated graphed variants to time besides base and fused (default: all)")
     ap.add_argument("--rounds", type=int, default=4,
@@ -1498,6 +1503,8 @@ def main():
         if args.packs and not DRY else PACKS
     shapes = [tuple(int(d) for d in sh.split("x")) for sh in args.shapes.split(",")] \
         if args.shapes and not DRY else SHAPES
+    profile_rows = [(*(int(d) for d in row.split("x")[:4]), row.split("x")[4]) for row in args.profile_rows.split(",")] \
+        if args.profile_rows and not DRY else PROFILE_ROWS
     for sec in args.sections.split(","):
         t = time.time()
         try:
@@ -1509,7 +1516,7 @@ def main():
                 section_main(res, device, deadline, packs=packs, shapes=shapes, tokens_list=tokens,
                              graphed_names=args.graphed.split(",") if args.graphed else None)
             elif sec == "profile":
-                section_profile(res, device)
+                section_profile(res, device, profile_rows)
             elif sec == "host":
                 section_host(res, device)
             elif sec == "power":

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .metadata import LAUNCH_OPTIONS
 from .reference import IGNORE_INDEX, reference_cross_entropy_rows  # noqa: F401  (the torch reference)
 
 
@@ -64,5 +65,6 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, need_grad: b
     if rows:
         block = min(4096, triton.next_power_of_2(vocab))
         _cross_entropy_kernel[(rows,)](logits, targets.contiguous(), losses, vocab, IGNORE=IGNORE_INDEX,
-                                       WRITE_GRAD=need_grad, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+                                       WRITE_GRAD=need_grad, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+                                       **LAUNCH_OPTIONS)
     return losses, (logits if need_grad else None)

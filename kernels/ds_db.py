@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._triton_common import let_next_kernel_start, load_adapter, load_row_block, wait_for_previous_kernel
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, takes_one_pass
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, takes_one_pass
 from .row_reduce import _store_chunk_sum, chunk_sum, lora_row_reduce
 from .shrink import lora_shrink
 
@@ -160,13 +160,14 @@ def lora_ds_db(
         BLOCK_M=cfg.db_block_m,
         BLOCK_N=cfg.ds_db_block_n,
         num_warps=cfg.ds_db_warps,
+        **LAUNCH_OPTIONS,
         num_stages=cfg.reduce_stages,
         **common,
     )
     sum_m = min(32, cfg.block_m)
     _ds_sum_kernel[(meta.n_tiles, cfg.block_m // sum_m)](
         ds_part, ds, *meta.args(), M, meta.rank_stride, n_col_blocks, ds.stride(0),
-        BLOCK_M=sum_m, PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl, **common)
+        BLOCK_M=sum_m, PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl, **common, **LAUNCH_OPTIONS)
     if not direct:
         chunk_sum(db_part, db, meta, N, meta.block_r, out_is_b=True)
 

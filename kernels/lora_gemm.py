@@ -49,8 +49,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._triton_common import load_adapter, load_keep_mask, load_row_block, wait_for_previous_kernel
 from .dropout import dropout_keep_mask
 from .lora_gemm_gluon import lora_gemm_gluon
-from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, KernelConfig, LoRABatchMeta, cdiv, sm_count,
-                       tma_ready)
+from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, KernelConfig, LoRABatchMeta, cdiv,
+                       sm_count, tma_ready)
 
 
 @triton.jit
@@ -307,7 +307,8 @@ def lora_gemm(
     mask = mask_nibbles if out_dropout else out
     if not fused_base:
         _lora_add_kernel[(n_pairs,)](s, lora_pack, out, mask, *meta.block_args(), M, N, meta.n_blocks, cdiv(N, 4),
-                                     s.stride(0), out.stride(0), num_warps=cfg.add_warps, **common)
+                                     s.stride(0), out.stride(0), num_warps=cfg.add_warps, **common,
+                                     **LAUNCH_OPTIONS)
         return out
     if not tma_ready(a, w):
         raise ValueError("The fused base GEMM needs TMA-ready operands (see `tma_ready`); use fused_base=False.")
@@ -324,7 +325,7 @@ def lora_gemm(
                                HAS_BIAS=bias is not None, BLOCK_K=cfg.gemm_block_k, K_STAGES=cfg.gemm_stages,
                                WARP_SPECIALIZE=warp_specialize, LORA_LAST=cfg.lora_term_last and not out_dropout,
                                PDL=cfg.pdl, launch_pdl=cfg.pdl,
-                               num_warps=cfg.gemm_warps, **common)
+                               num_warps=cfg.gemm_warps, **common, **LAUNCH_OPTIONS)
     return out
 
 

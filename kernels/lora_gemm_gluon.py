@@ -53,7 +53,7 @@ from typing import Optional
 
 import torch
 
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, sm_count
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, sm_count
 
 try:  # Gluon's Hopper language, where this Triton has it
     from triton.experimental import gluon
@@ -426,5 +426,5 @@ def lora_gemm_gluon(
         bias if bias is not None else out, mask_nibbles if mask_nibbles is not None else out,
         *meta.block_args()[:4], M, N, K, meta.n_blocks, cdiv(N, 4), grid, FORWARD=forward,
         OUT_DROPOUT=mask_nibbles is not None, HAS_BIAS=bias is not None, STAGES=3, GROUP_M=cfg.group_m,
-        PDL=cfg.pdl, num_warps=8, maxnreg=168, launch_pdl=cfg.pdl)
+        PDL=cfg.pdl, num_warps=8, maxnreg=168, launch_pdl=cfg.pdl, **LAUNCH_OPTIONS)
     return out

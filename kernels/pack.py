@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .metadata import cdiv, device_table
+from .metadata import LAUNCH_OPTIONS, cdiv, device_table
 
 _TABLE_COLS = 4  # address, rank, r_offset, is_b
 
@@ -93,7 +93,7 @@ def pack_into(a_pack: torch.Tensor, bt_pack: torch.Tensor, lora_a: Sequence[torc
     n_cols = max(a_pack.shape[1] if lora_a else 0, bt_pack.shape[1] if lora_b else 0)
     grid = (cdiv(n_cols, block), len(sources), cdiv(max(r for _, r, _, _ in rows), block))
     _pack_kernel[grid](table, sources[0], a_pack, bt_pack, a_pack.shape[1], bt_pack.shape[1],
-                       TABLE_COLS=_TABLE_COLS, BLOCK_C=block, BLOCK_R=block)
+                       TABLE_COLS=_TABLE_COLS, BLOCK_C=block, BLOCK_R=block, **LAUNCH_OPTIONS)
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .metadata import LAUNCH_OPTIONS
 from .reference import reference_rms_norm  # noqa: F401  (the torch reference of this file's kernels)
 
 
@@ -61,7 +62,8 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         block, warps = _launch_config(hidden)
         if rows:
-            _rms_norm_fwd_kernel[(rows,)](x2, weight, y, rstd, hidden, eps, BLOCK=block, num_warps=warps)
+            _rms_norm_fwd_kernel[(rows,)](x2, weight, y, rstd, hidden, eps, BLOCK=block, num_warps=warps,
+                                          **LAUNCH_OPTIONS)
         ctx.save_for_backward(x2, weight, rstd)
         return y.reshape(shape)
 
@@ -73,7 +75,8 @@ class _RMSNorm(torch.autograd.Function):
         dx = torch.empty_like(x2)
         block, warps = _launch_config(hidden)
         if rows:
-            _rms_norm_bwd_kernel[(rows,)](x2, weight, dy2, rstd, dx, hidden, BLOCK=block, num_warps=warps)
+            _rms_norm_bwd_kernel[(rows,)](x2, weight, dy2, rstd, dx, hidden, BLOCK=block, num_warps=warps,
+                                          **LAUNCH_OPTIONS)
         return dx.reshape(dy.shape), None, None
 
 

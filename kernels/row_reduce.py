@@ -25,8 +25,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, load_adapter, load_keep_mask,
                              load_row_block)
 from .dropout import dropout_keep_mask
-from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv, reduce_grid, reduce_rank_block,
-                       tma_ready)
+from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, reduce_grid,
+                       reduce_rank_block, tma_ready)
 
 _CHUNK_FIRST_COL = ADAPTER_INT_COLS.index("chunk_first")
 
@@ -259,6 +259,7 @@ def lora_row_reduce(
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         num_warps=warps,
+        **LAUNCH_OPTIONS,
         num_stages=cfg.reduce_stages,
     )
     if not direct:
@@ -285,6 +286,7 @@ def chunk_sum(part: torch.Tensor, out: torch.Tensor, meta: LoRABatchMeta, N: int
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         num_warps=4,
+        **LAUNCH_OPTIONS,
     )
 
 

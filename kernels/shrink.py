@@ -24,7 +24,7 @@ import triton.language as tl
 from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, keep_nibbles, let_next_kernel_start,
                              load_adapter, load_row_block, nibbles_to_mask, store_nibbles, wait_for_previous_kernel)
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv
 
 
 @triton.jit
@@ -156,6 +156,7 @@ def lora_shrink(
         BLOCK_K=meta.shrink_block_k,
         PDL=cfg.pdl,
         num_warps=cfg.shrink_warps,
+        **LAUNCH_OPTIONS,
         num_stages=cfg.shrink_stages if has_dropout else cfg.shrink_stages_no_dropout,
         launch_pdl=cfg.pdl,
     )

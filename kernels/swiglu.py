@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .metadata import cdiv
+from .metadata import LAUNCH_OPTIONS, cdiv
 from .reference import reference_silu_mul  # noqa: F401  (the torch reference of this file's kernels)
 
 _BLOCK = 1024
@@ -55,7 +55,8 @@ class _SiluMul(torch.autograd.Function):
         out = torch.empty_like(gate)
         n = gate.numel()
         if n:
-            _silu_mul_fwd_kernel[(cdiv(n, _BLOCK),)](gate, up, out, n, BLOCK=_BLOCK, num_warps=4)
+            _silu_mul_fwd_kernel[(cdiv(n, _BLOCK),)](gate, up, out, n, BLOCK=_BLOCK, num_warps=4,
+                                                     **LAUNCH_OPTIONS)
         ctx.save_for_backward(gate, up)
         return out
 
@@ -67,7 +68,7 @@ class _SiluMul(torch.autograd.Function):
         n = gate.numel()
         if n:
             _silu_mul_bwd_kernel[(cdiv(n, _BLOCK),)](gate, up, dout, dgate, dup, n, BLOCK=_BLOCK,
-                                                             num_warps=4)
+                                                             num_warps=4, **LAUNCH_OPTIONS)
         return dgate, dup
 
 

@@ -160,9 +160,9 @@ def lora_ds_db(
         BLOCK_M=cfg.db_block_m,
         BLOCK_N=cfg.ds_db_block_n,
         num_warps=cfg.ds_db_warps,
-        **LAUNCH_OPTIONS,
         num_stages=cfg.reduce_stages,
         **common,
+        **LAUNCH_OPTIONS,
     )
     sum_m = min(32, cfg.block_m)
     _ds_sum_kernel[(meta.n_tiles, cfg.block_m // sum_m)](

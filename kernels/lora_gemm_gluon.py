@@ -165,10 +165,8 @@ if gluon is not None:
                         mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)
                         bar = ready.index(buf)
                         mbarrier.expect(bar, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
-                        _tma_load(s_desc, [row0, r0], bar,
-                                                        s_ring.index(buf * (BLOCK_K // R_STEP)))
-                        _tma_load(l_desc, [r_offset + r0, n0], bar,
-                                                        l_ring.index(buf * (BLOCK_K // R_STEP)))
+                        _tma_load(s_desc, [row0, r0], bar, s_ring.index(buf * (BLOCK_K // R_STEP)))
+                        _tma_load(l_desc, [r_offset + r0, n0], bar, l_ring.index(buf * (BLOCK_K // R_STEP)))
                         step += 1
             for ki in range(k_steps):
                 buf = step % STAGES

@@ -259,8 +259,8 @@ def lora_row_reduce(
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         num_warps=warps,
-        **LAUNCH_OPTIONS,
         num_stages=cfg.reduce_stages,
+        **LAUNCH_OPTIONS,
     )
     if not direct:
         chunk_sum(part, out, meta, N, block_r, out_is_b)

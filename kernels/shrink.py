@@ -156,9 +156,9 @@ def lora_shrink(
         BLOCK_K=meta.shrink_block_k,
         PDL=cfg.pdl,
         num_warps=cfg.shrink_warps,
-        **LAUNCH_OPTIONS,
         num_stages=cfg.shrink_stages if has_dropout else cfg.shrink_stages_no_dropout,
         launch_pdl=cfg.pdl,
+        **LAUNCH_OPTIONS,
     )
     return out
 

@@ -52,6 +52,7 @@ import functools
 from typing import Optional
 
 import torch
+import triton
 
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, sm_count
 
@@ -61,17 +62,19 @@ try:  # Gluon's Hopper language, where this Triton has it
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # pragma: no cover - the Triton path runs instead
+
+    # Triton 3.9 renamed three of Gluon's calls that this kernel makes: the TMA copies
+    # (3.6's async_copy_global_to_shared and async_copy_shared_to_global) and a shared buffer's
+    # view in another shape (3.6's _reinterpret). The kernel takes whichever this Triton has;
+    # a Triton with neither leaves the kernel out, as one without Gluon does.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _VIEW_RENAMED = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+except (ImportError, AttributeError):  # pragma: no cover - the Triton path runs instead
     gluon = None
 
 
 if gluon is not None:
-    # Triton 3.9 renamed three of Gluon's calls that this kernel makes: the TMA copies
-    # (3.6's async_copy_global_to_shared and async_copy_shared_to_global) and a shared buffer's
-    # view in another shape (3.6's _reinterpret). The kernel takes whichever this Triton has.
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    _VIEW_RENAMED = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
     _RANK = gl.constexpr(ADAPTER_INT_COLS.index("rank"))
     _R_OFFSET = gl.constexpr(ADAPTER_INT_COLS.index("r_offset"))
     _THRESHOLD = gl.constexpr(ADAPTER_INT_COLS.index("keep_threshold"))
@@ -406,6 +409,9 @@ def lora_gemm_gluon(
 ) -> torch.Tensor:
     """`lora_gemm`'s fused path on Hopper: 16-bit operands that TMA can describe (`tma_ready`),
     blocks 128 x 256 x 64, 3 stages, 8 MMA warps and one loading warp, one program per SM."""
+    if gluon is None:
+        raise RuntimeError(f"Triton {triton.__version__} has no Gluon language this kernel can use; "
+                           "set KernelConfig.gluon_gemm='never' (the default there) to take the Triton GEMM.")
     cfg = meta.config
     M, K = a.shape
     N = out.shape[1]

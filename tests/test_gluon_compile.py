@@ -1,0 +1,76 @@
+"""The Gluon GEMM compiled for Hopper (sm_90) on this machine, with no GPU.
+
+Gluon kernels do not run under TRITON_INTERPRET=1, so CI cannot check the Gluon GEMM's
+results (the GPU tests do). It can check that the installed Triton still compiles it: Gluon
+is experimental and renames its calls between releases (3.9 renamed three), and a release
+the kernel was not written for should fail here rather than on a user's GPU. The compiled
+kernel must also keep within what was measured: the register budget it is launched with,
+no spills to local memory, and shared memory within a Hopper block's 227 KB.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from lora_sweep.kernels import lora_gemm_gluon as g  # noqa: E402
+from lora_sweep.kernels.metadata import gluon_release  # noqa: E402
+
+pytestmark = pytest.mark.skipif(g.gluon is None or not gluon_release(triton.__version__),
+                                reason="the Gluon GEMM is used only with the Triton releases it was checked with")
+
+HOPPER_SHARED_BYTES = 227 * 1024  # a block's shared memory at most on sm_90 (opt-in)
+MAX_REGISTERS = 168  # `lora_gemm_gluon` launches it with maxnreg=168
+
+
+def compile_for_hopper(forward: bool, out_dropout: bool, has_bias: bool):
+    """`_lora_gemm_gluon_kernel` compiled for sm_90 with the descriptors `lora_gemm_gluon` builds."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    M, K, N, r_step = 256, 128, 512, 16
+    bf16 = dict(dtype=torch.bfloat16)
+    descs = dict(a_desc=g._desc(torch.empty(M, K, **bf16), [128, 64]),
+                 w_desc=g._desc(torch.empty((N, K) if forward else (K, N), **bf16),
+                                [256, 64] if forward else [64, 256]),
+                 c_desc=g._desc(torch.empty(M, N, **bf16), [128, 256]),
+                 s_desc=g._desc(torch.empty(M, r_step, **bf16), [128, r_step]),
+                 l_desc=g._desc(torch.empty(r_step, N, **bf16), [r_step, 256]))
+    pointers = dict(bias_ptr="*bf16", mask_ptr="*u8", block_tiles_ptr="*i64", tiles_ptr="*i64",
+                    adapters_i_ptr="*i64", adapters_f_ptr="*fp32")
+    constants = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, HAS_BIAS=has_bias, STAGES=3, GROUP_M=8, PDL=True,
+                     num_warps=8)
+    kernel = g._lora_gemm_gluon_kernel
+    signature = {name: mangle_type(descs[name]) if name in descs else pointers.get(name)
+                 or ("constexpr" if name in constants else "i32") for name in kernel.arg_names}
+    source = GluonASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constants.items()}, {})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 64),
+                          options=dict(num_warps=8, maxnreg=MAX_REGISTERS, **g.LAUNCH_OPTIONS))
+
+
+def resource_usage(cubin: bytes, tmp_path) -> dict:
+    """REG, STACK, LOCAL, ... of a cubin, as cuobjdump (shipped with Triton) reports them."""
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(cubin)
+    from triton import knobs
+
+    out = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    fields = [f for line in out.splitlines() if "REG:" in line for f in line.split()]
+    return {k: v for k, v in (f.split(":", 1) for f in fields if ":" in f)}
+
+
+@pytest.mark.parametrize("forward, out_dropout, has_bias",
+                         [(True, False, False), (True, False, True), (False, False, False), (False, True, False)],
+                         ids=["Y", "Y_bias", "dX", "dX_dropout"])
+def test_gluon_gemm_compiles_for_hopper_within_its_budget(forward, out_dropout, has_bias, tmp_path):
+    compiled = compile_for_hopper(forward, out_dropout, has_bias)
+    assert 0 < compiled.metadata.shared <= HOPPER_SHARED_BYTES
+    usage = resource_usage(compiled.asm["cubin"], tmp_path)
+    assert int(usage["REG"]) <= MAX_REGISTERS
+    assert int(usage["STACK"]) == 0 and int(usage["LOCAL"]) == 0, f"the kernel spills: {usage}"

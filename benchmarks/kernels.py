@@ -504,6 +504,10 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
                     graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
+                if default.shrink_warps < 8:  # the shrinks on twice the warps (the mask's draw is integer work)
+                    wide_shrink = dataclasses.replace(default, shrink_warps=2 * default.shrink_warps)
+                    graphed["fused_wide_shrink"] = (lambda q: m_fused(q, wide_shrink), p)
+                    graphed["fused_dropout_wide_shrink"] = (lambda q: m_fused(q, wide_shrink), pd)
                 if not DRY:  # programmatic dependent launch on, or off where the default has it on (v27)
                     other_pdl = dataclasses.replace(default, pdl=not default.pdl)
                     graphed["fused_other_pdl"] = (lambda q: m_fused(q, other_pdl), p)
@@ -753,7 +757,7 @@ PROFILE_ROWS = ((4096, 4096, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"), 
                 (4096, 4096, 2048, 16, "mixed"), (4096, 4096, 2048, 32, "64"))
 
 
-def section_profile(res, device, rows=PROFILE_ROWS):
+def section_profile(res, device, rows=PROFILE_ROWS, dropout=0.0):
     """Where one fused fwd+bwd spends its time: per-kernel CUDA time (torch.profiler) and the
     host time to enqueue it (if that exceeds the GPU time, the op is host-bound)."""
     from torch.profiler import ProfilerActivity, profile
@@ -763,7 +767,7 @@ def section_profile(res, device, rows=PROFILE_ROWS):
         if DRY:
             in_f, out_f, tokens = 64, 48, 64
         ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
-        p = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
+        p = make_pack(in_f, out_f, tokens, n, ranks, dropout, device)
         y = m_fused(p)
         dy = torch.randn_like(y)
         params = params_of(p)
@@ -784,7 +788,8 @@ def section_profile(res, device, rows=PROFILE_ROWS):
             return sorted(out, reverse=True)
 
         kernels = kernel_times(m_fused)
-        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, host_enqueue_ms=host_ms,
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, dropout=dropout,
+                   host_enqueue_ms=host_ms,
                    kernels=[dict(ms=k[0], calls=k[1], name=k[2]) for k in kernels[:14]],
                    gpu_kernel_ms=sum(k[0] for k in kernels),
                    base_gpu_kernel_ms=sum(k[0] for k in kernel_times(m_base)))
@@ -1351,6 +1356,9 @@ def summarize(res):
                 # dropout 0.05 on every adapter against none, and over the base
                 ("graphed_dropout_cost", "fused_dropout", "fused", False),
                 ("graphed_fused_dropout_over_base", "fused_dropout", "base", True),
+                # the shrinks on their warps against twice as many (v30)
+                ("graphed_shrink_warps_over_wide_shrink", "fused", "fused_wide_shrink", False),
+                ("graphed_dropout_shrink_warps_over_wide_shrink", "fused_dropout", "fused_dropout_wide_shrink", False),
                 # each adapter's own rank block against the pack's largest
                 ("graphed_fit_rank_block_over_one_rank_block", "fused", "fused_one_rank_block", False),
                 # the reductions' chunks shortened to fill the SMs, against whole
@@ -1477,6 +1485,7 @@ def main():
     ap.add_argument("--profile-rows", default=None,
                     help="profile: comma-separated rows as in x out x tokens x adapters x rank, e.g. "
                          "4096x14336x2048x4x64 (default: PROFILE_ROWS)")
+    ap.add_argument("--profile-dropout", type=float, default=0.0, help="profile: every adapter's dropout rate")
     ap.add_argument("--graphed", default=None,
                     help="main: comma-separated graphed variants to time besides base and fused (default: all)")
     ap.add_argument("--rounds", type=int, default=4,
@@ -1516,7 +1525,7 @@ def main():
                 section_main(res, device, deadline, packs=packs, shapes=shapes, tokens_list=tokens,
                              graphed_names=args.graphed.split(",") if args.graphed else None)
             elif sec == "profile":
-                section_profile(res, device, profile_rows)
+                section_profile(res, device, profile_rows, args.profile_dropout)
             elif sec == "host":
                 section_host(res, device)
             elif sec == "power":

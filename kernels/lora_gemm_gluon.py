@@ -42,8 +42,8 @@ pairs; one that is host-bound moved 0.92-1.13x, its noise; KERNELS_NOTES v29).
 Gluon kernels do not run under TRITON_INTERPRET=1: CI checks the Triton kernel on the CPU,
 and the GPU tests check this one against float64 (`tests/test_fused_ops_gpu.py`). Gluon is
 experimental and changes between Triton releases, so this kernel runs only with the releases
-it was checked with (`metadata.GLUON_TRITON_RELEASES`, Triton 3.6); others take the Triton
-GEMM.
+it was checked with (`metadata.GLUON_TRITON_RELEASES`, Triton 3.6 and 3.9); others take the
+Triton GEMM.
 """
 
 from __future__ import annotations
@@ -396,6 +396,18 @@ def _desc(t: torch.Tensor, block: list[int]) -> "TensorDescriptor":
     return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
 
 
+# the launch: one loading warp beside NUM_WARPS MMA warps, at most MAX_REGISTERS a thread
+TILE_N, TILE_K, STAGES, NUM_WARPS, MAX_REGISTERS = 256, 64, 3, 8, 168
+
+
+def launch_descriptors(a, w, out, s, pack, forward: bool, block_m: int, r_step: int) -> tuple:
+    """The kernel's five TMA descriptors, in its argument order: x (dY), W, the output, S
+    (dS) and the packed B^T (A), in blocks of TILE_N output columns, TILE_K of K and
+    r_step ranks."""
+    return (_desc(a, [block_m, TILE_K]), _desc(w, [TILE_N, TILE_K] if forward else [TILE_K, TILE_N]),
+            _desc(out, [block_m, TILE_N]), _desc(s, [block_m, r_step]), _desc(pack, [r_step, TILE_N]))
+
+
 def lora_gemm_gluon(
     a: torch.Tensor,  # [M, K] contiguous: x or dY
     w: torch.Tensor,  # [N, K] (forward) or [K, N] (backward)
@@ -415,8 +427,7 @@ def lora_gemm_gluon(
     cfg = meta.config
     M, K = a.shape
     N = out.shape[1]
-    block_m, block_n, block_k = cfg.block_m, 256, 64
-    n_pairs = meta.n_blocks * cdiv(N, block_n)
+    n_pairs = meta.n_blocks * cdiv(N, TILE_N)
     grid = min(n_pairs, sm_count(a.device))
     # ranks per LoRA wgmma: the pack's largest rank, rounded up to 16, 32 or 64 (a wgmma's K is 16)
     r_step = 16 if meta.max_rank <= 16 else 32 if meta.max_rank <= 32 else 64
@@ -425,10 +436,9 @@ def lora_gemm_gluon(
     if mask_nibbles is not None:
         assert mask_nibbles.is_contiguous() and mask_nibbles.shape == (M, cdiv(N, 4))
     _lora_gemm_gluon_kernel[(grid, )](
-        _desc(a, [block_m, block_k]), _desc(w, [block_n, block_k] if forward else [block_k, block_n]),
-        _desc(out, [block_m, block_n]), _desc(s, [block_m, r_step]), _desc(pack, [r_step, block_n]),
-        bias if bias is not None else out, mask_nibbles if mask_nibbles is not None else out,
+        *launch_descriptors(a, w, out, s, pack, forward, cfg.block_m, r_step), bias if bias is not None else out,
+        mask_nibbles if mask_nibbles is not None else out,
         *meta.block_args()[:4], M, N, K, meta.n_blocks, cdiv(N, 4), grid, FORWARD=forward,
-        OUT_DROPOUT=mask_nibbles is not None, HAS_BIAS=bias is not None, STAGES=3, GROUP_M=cfg.group_m,
-        PDL=cfg.pdl, num_warps=8, maxnreg=168, launch_pdl=cfg.pdl, **LAUNCH_OPTIONS)
+        OUT_DROPOUT=mask_nibbles is not None, HAS_BIAS=bias is not None, STAGES=STAGES, GROUP_M=cfg.group_m,
+        PDL=cfg.pdl, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, launch_pdl=cfg.pdl, **LAUNCH_OPTIONS)
     return out

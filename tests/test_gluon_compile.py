@@ -22,7 +22,6 @@ import tempfile
 import pytest
 
 HOPPER_SHARED_BYTES = 227 * 1024  # a block's shared memory at most on sm_90 (opt-in)
-MAX_REGISTERS = 168  # `lora_gemm_gluon` launches it with maxnreg=168
 VARIANTS = {"Y": (True, False, False), "Y_bias": (True, False, True), "dX": (False, False, False),
             "dX_dropout": (False, True, False)}  # forward, out_dropout, has_bias
 
@@ -37,24 +36,22 @@ def compile_for_hopper(forward: bool, out_dropout: bool, has_bias: bool):
 
     from lora_sweep.kernels import lora_gemm_gluon as g
 
-    M, K, N, r_step = 256, 128, 512, 16
+    M, K, N, r_step, block_m = 256, 128, 512, 16, 128
     bf16 = dict(dtype=torch.bfloat16)
-    descs = dict(a_desc=g._desc(torch.empty(M, K, **bf16), [128, 64]),
-                 w_desc=g._desc(torch.empty((N, K) if forward else (K, N), **bf16),
-                                [256, 64] if forward else [64, 256]),
-                 c_desc=g._desc(torch.empty(M, N, **bf16), [128, 256]),
-                 s_desc=g._desc(torch.empty(M, r_step, **bf16), [128, r_step]),
-                 l_desc=g._desc(torch.empty(r_step, N, **bf16), [r_step, 256]))
+    tensors = (torch.empty(M, K, **bf16), torch.empty((N, K) if forward else (K, N), **bf16),
+               torch.empty(M, N, **bf16), torch.empty(M, r_step, **bf16), torch.empty(r_step, N, **bf16))
+    descs = dict(zip(("a_desc", "w_desc", "c_desc", "s_desc", "l_desc"),
+                     g.launch_descriptors(*tensors, forward, block_m, r_step)))
     pointers = dict(bias_ptr="*bf16", mask_ptr="*u8", block_tiles_ptr="*i64", tiles_ptr="*i64",
                     adapters_i_ptr="*i64", adapters_f_ptr="*fp32")
-    constants = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, HAS_BIAS=has_bias, STAGES=3, GROUP_M=8, PDL=True,
-                     num_warps=8)
+    constants = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, HAS_BIAS=has_bias, STAGES=g.STAGES, GROUP_M=8,
+                     PDL=True, num_warps=g.NUM_WARPS)
     kernel = g._lora_gemm_gluon_kernel
     signature = {name: mangle_type(descs[name]) if name in descs else pointers.get(name)
                  or ("constexpr" if name in constants else "i32") for name in kernel.arg_names}
     source = GluonASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constants.items()}, {})
     return triton.compile(source, target=GPUTarget("cuda", 90, 64),
-                          options=dict(num_warps=8, maxnreg=MAX_REGISTERS, **g.LAUNCH_OPTIONS))
+                          options=dict(num_warps=g.NUM_WARPS, maxnreg=g.MAX_REGISTERS, **g.LAUNCH_OPTIONS))
 
 
 def resource_usage(compiled) -> dict:
@@ -93,6 +90,8 @@ def usage_by_variant() -> dict:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gluon_gemm_compiles_for_hopper_within_its_budget(usage_by_variant, variant):
+    from lora_sweep.kernels.lora_gemm_gluon import MAX_REGISTERS
+
     usage = usage_by_variant[variant]
     assert 0 < usage["SHARED"] <= HOPPER_SHARED_BYTES
     assert int(usage["REG"]) <= MAX_REGISTERS

@@ -42,7 +42,7 @@ pairs; one that is host-bound moved 0.92-1.13x, its noise; KERNELS_NOTES v29).
 Gluon kernels do not run under TRITON_INTERPRET=1: CI checks the Triton kernel on the CPU,
 and the GPU tests check this one against float64 (`tests/test_fused_ops_gpu.py`). Gluon is
 experimental and changes between Triton releases, so this kernel runs only with the releases
-it was checked with (`metadata.GLUON_TRITON_RELEASES`, Triton 3.6 and 3.9); others take the
+it was checked with (`metadata.GLUON_TRITON_RELEASES`, Triton 3.6 to 3.9); others take the
 Triton GEMM.
 """
 
@@ -64,9 +64,10 @@ try:  # Gluon's Hopper language, where this Triton has it
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # Triton 3.9 renamed three of Gluon's calls that this kernel makes: the TMA copies
-    # (3.6's async_copy_global_to_shared and async_copy_shared_to_global) and a shared buffer's
-    # view in another shape (3.6's _reinterpret). The kernel takes whichever this Triton has;
-    # a Triton with neither leaves the kernel out, as one without Gluon does.
+    # (async_copy_global_to_shared and async_copy_shared_to_global up to 3.8, which has the
+    # new names too) and a shared buffer's view in another shape (_reinterpret up to 3.8).
+    # The kernel takes whichever this Triton has; a Triton with neither leaves the kernel
+    # out, as one without Gluon does.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _VIEW_RENAMED = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))

@@ -138,9 +138,10 @@ def hopper_or_newer() -> bool:
 LAUNCH_OPTIONS = dict(enable_fp_fusion=True)
 
 # Triton releases whose Gluon language the Gluon GEMM was checked with on a GPU. Gluon is
-# experimental and changes between releases (3.9 renamed three of the calls the kernel makes,
-# which it now takes under either name), so other releases get the Triton GEMM.
-GLUON_TRITON_RELEASES = ("3.6", "3.9")
+# experimental and changes between releases (3.8 added new names for the kernel's two TMA
+# copies, 3.9 dropped the old ones and renamed a third call; it takes either name), so other
+# releases get the Triton GEMM.
+GLUON_TRITON_RELEASES = ("3.6", "3.7", "3.8", "3.9")
 
 
 def gluon_release(release: str) -> bool:

@@ -1469,6 +1469,62 @@ def print_table(res):
     print(json.dumps(res.get("summary", {}), indent=1))
 
 
+def plot_main(rows, path, title):
+    """The `main` rows as a picture of the two targets: the layer's GPU time over the frozen
+    base's (graphed, replays interleaved), without and with dropout, against 1.15x; and the
+    speed-up over the segmented reference (eager) with 4 or more adapters, against 3x, beside
+    the most any op could gain there (the reference over the frozen base alone). One column
+    per token count. Returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    tokens = sorted({r["tokens"] for r in rows})
+    fig, axes = plt.subplots(2, len(tokens), figsize=(7 * len(tokens), 7.5), squeeze=False)
+    for col, n_tok in enumerate(tokens):
+        sel = [r for r in rows if r["tokens"] == n_tok and r.get("fused_graphed")]
+        xs = range(len(sel))
+        ax = axes[0][col]
+        ax.bar([x - 0.2 for x in xs], [r["fused_graphed"] / r["base_graphed"] for r in sel], 0.4, label="fused")
+        ax.bar([x + 0.2 for x in xs], [r["fused_dropout_graphed"] / r["base_graphed"] for r in sel], 0.4,
+               label="fused, dropout 0.05")
+        ax.axhline(1.15, color="k", linestyle="--", linewidth=1, label="target 1.15x")
+        ax.set_ylim(1.0, 1 + 1.4 * (max(r["fused_dropout_graphed"] / r["base_graphed"] for r in sel) - 1))
+        ax.set_ylabel("fwd+bwd time / frozen base (graphed)")
+        ax.set_title(f"{n_tok} tokens: the layer over the frozen base")
+        many = [(i, r) for i, r in enumerate(sel) if r["adapters"] >= 4 and r.get("segref")]
+        ax2 = axes[1][col]
+        ax2.bar([i for i, _ in many], [r["segref"] / r["fused"] for _, r in many], 0.6, color="tab:green",
+                label="segmented reference / fused (eager)")
+        ax2.scatter([i for i, _ in many], [r["segref"] / r["base"] for _, r in many], color="k", marker="_", s=200,
+                    label="reference / frozen base: the most any op could gain")
+        ax2.axhline(3.0, color="k", linestyle="--", linewidth=1, label="target 3x")
+        ax2.set_yscale("log")
+        ax2.set_ylim(1.0, 4 * max(r["segref"] / r["base"] for _, r in many))
+        ax2.set_yticks([t for t in (1, 2, 3, 5, 10, 20, 50, 100) if t < ax2.get_ylim()[1]])
+        ax2.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax2.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax2.set_ylabel("speed-up over the segmented reference")
+        ax2.set_title(f"{n_tok} tokens, 4 or more adapters: against the segmented reference")
+        for a in (ax, ax2):  # packs as ticks, each layer shape over its run of packs
+            a.set_xticks(list(xs))
+            a.set_xticklabels([f"{r['adapters']}x{r['rank']}" for r in sel], fontsize=6, rotation=90)
+            starts = [i for i, r in enumerate(sel) if i == 0 or (r["in_f"], r["out_f"]) != (sel[i - 1]["in_f"],
+                                                                                          sel[i - 1]["out_f"])]
+            for i, j in zip(starts, starts[1:] + [len(sel)]):
+                if i:
+                    a.axvline(i - 0.5, color="0.7", linewidth=0.8)
+                a.text((i + j - 1) / 2, 0.97, f"{sel[i]['in_f']} -> {sel[i]['out_f']}", ha="center", va="top",
+                       fontsize=7, transform=a.get_xaxis_transform())
+            a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0.91), ncol=3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return fig
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernels.json")
@@ -1491,7 +1547,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=4,
                     help="gemm: 16 x this many replays of each method, interleaved (`interleaved_ms`)")
     ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET=1: checks the script only")
+    ap.add_argument("--plot", default=None, help="draw the main rows into this PNG (`plot_main`)")
+    ap.add_argument("--plot-from", default=None,
+                    help="with --plot: comma-separated result JSONs whose main rows to draw; runs nothing on the GPU")
     args = ap.parse_args()
+    if args.plot_from:
+        saved = [json.load(open(f)) for f in args.plot_from.split(",")]
+        plot_main([r for res in saved for r in res.get("main", [])], args.plot,
+                  f"fused multi-LoRA layer, {saved[0]['gpu']}, torch {saved[0]['torch']}, Triton {saved[0]['triton']}")
+        return
     device = torch.device("cpu" if DRY else "cuda")
     t0 = time.time()
     deadline = t0 + args.budget_s
@@ -1548,6 +1612,8 @@ def main():
             res.setdefault("errors", {})[sec] = f"{type(e).__name__}: {e}"[:1000]
         res.setdefault("section_seconds", {})[sec] = time.time() - t
         save()
+    if args.plot and res.get("main"):
+        plot_main(res["main"], args.plot, f"fused multi-LoRA layer, {res['gpu']}, Triton {res['triton']}")
     print_table(res)
 
 

@@ -171,10 +171,18 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def has_tma(device: torch.device) -> bool:
+    """Whether kernels on `device` read through TMA descriptors: on Hopper on, and under the
+    interpreter (CPU tensors), which emulates them. Before Hopper, Triton turns a descriptor's
+    loads into plain loads that it does not pipeline (tests/test_kernels_compile.py)."""
+    return device.type != "cuda" or hopper_or_newer()
+
+
 def tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether TMA can describe each 2-D tensor: rows contiguous, the row stride and the
-    start aligned to 16 bytes (so bf16 widths must be multiples of 8)."""
-    return all(t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+    """Whether TMA can read each 2-D tensor: its device has TMA (`has_tma`), its rows are
+    contiguous, its row stride and start aligned to 16 bytes (so bf16 widths must be
+    multiples of 8)."""
+    return all(has_tma(t.device) and t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
                and t.data_ptr() % 16 == 0 for t in tensors)
 
 
@@ -265,11 +273,20 @@ def _next_pow2(n: int) -> int:
 FUSED_BLOCK_M = 128  # row block of the fused base GEMM: 64-row tiles were slower in a probe (KERNELS_NOTES v8)
 
 
+def fuses_base(device: torch.device, element_size: int) -> bool:
+    """Whether a call's base GEMM is the fused one (`KernelConfig.fused_base`) rather than
+    cuBLAS's with the LoRA term added in place: it reads its operands through TMA
+    (`has_tma`), and on a GPU only 16-bit ones, since its fp32 dot would run in TF32, where
+    torch's does not. The interpreter takes it for every dtype."""
+    return device.type != "cuda" or (element_size == 2 and has_tma(device))
+
+
 @functools.lru_cache(maxsize=64)
 def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelConfig:
     """Block sizes for a call whose largest adapter rank is `max_rank`, with the base GEMM
-    fused with the LoRA term (`fuse_base`) or run by cuBLAS: measured defaults (see
-    benchmarks/KERNELS_NOTES.md); the interpreter gets small blocks (`INTERPRET_CONFIG`)."""
+    fused with the LoRA term (`fuse_base`: 16-bit inputs on a GPU with TMA) or run by
+    cuBLAS: measured defaults (see benchmarks/KERNELS_NOTES.md); the interpreter gets small
+    blocks (`INTERPRET_CONFIG`)."""
     if not on_cuda:
         return INTERPRET_CONFIG if fuse_base else dataclasses.replace(INTERPRET_CONFIG, fused_base=False)
     block_r = rank_blocks(max(max_rank, 1))[0]

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .dropout import empty_mask_nibbles
-from .metadata import KernelConfig, LoRABatchMeta, config_for, tma_ready
+from .metadata import KernelConfig, LoRABatchMeta, config_for, fuses_base, tma_ready
 from .reference import Seeds, per_adapter_seeds
 
 
@@ -197,9 +197,7 @@ def triton_multi_lora_linear(
     seeds = seed if isinstance(seed, torch.Tensor) and seed.dim() == 1 else per_adapter_seeds(seed, len(seg_lens))
     max_rank = max((a.shape[0] for a in lora_a if a is not None), default=0)
     if config is None:
-        # fused base GEMM for 16-bit inputs only on GPU: its fp32 dot would run in TF32, where torch's does not
-        fuse_base = not x.is_cuda or x.element_size() == 2
-        config = config_for(max_rank, x.is_cuda, fuse_base)
+        config = config_for(max_rank, x.is_cuda, fuses_base(x.device, x.element_size()))
     meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, scales, dropout_p, seeds,
                                weight.shape[1], weight.shape[0], x.device, config)
     # an adapter with no rows is not packed and gets no gradient (None), as in the reference

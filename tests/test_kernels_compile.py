@@ -1,0 +1,152 @@
+"""The Triton kernels compiled for the GPUs they run on (`dispatch.MIN_CAPABILITY` on: an
+A100, an L4 or RTX 40, an H100), on this machine, with no GPU.
+
+CI checks the kernels' results under the interpreter, which says nothing of what the
+compiler makes of them for a real GPU: whether a program's shared memory fits the device,
+whether its registers spill, whether the loads of the big operands are pipelined. Here a
+fused layer's real forward and backward run on CPU tensors, with Triton's driver replaced
+by one that compiles each launch for a chosen GPU and launches nothing (Triton's `warmup`),
+and with the device queries the launch sizes depend on (capability, SMs, shared memory)
+answered as that GPU would.
+
+Before Hopper there is no TMA, and Triton turns a TMA descriptor's loads into plain loads
+that it does not pipeline; so there the kernels must take the paths without descriptors
+(`metadata.has_tma`). Loads of dY that feed a transposed dot (the pass over dY, dB's
+reduction) are not pipelined there either; those loops stream 32 KB a step and are left as
+they are, unmeasured on those GPUs. The compiler runs in a process of its own: the
+interpreter, which other tests run in this one, leaves Triton's language patched for
+interpreted kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+# capability -> (a GPU of that kind, its SMs, its shared memory per block, opt-in, in bytes)
+GPUS = {80: ("A100", 108, 166912), 89: ("L4", 58, 101376), 90: ("H100", 132, 232448)}
+# (in, out, tokens, ranks, dropout): one pass over dY for dS and dB (rank 16), and two passes
+# with mixed ranks up to 128, uneven segments and a rank that no block divides
+PACKS = [(512, 1024, 1024, (16, 16, 16, 16), 0.05), (384, 768, 1000, (8, 128, 37, 64, 1), 0.1)]
+# ptxas keeps the in-place LoRA add at 128 registers for sm_89 and spills 16 bytes there
+MAX_SPILL_BYTES = 16
+
+
+def compile_fused_layer(capability: int) -> list[dict]:
+    """Every kernel a fused layer's fwd+bwd launches for the GPU of `capability` (`GPUS`),
+    compiled for it: name, shared memory, registers, spills, TMA descriptors, cp.async."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from lora_sweep.kernels import lora_gemm, metadata
+    from lora_sweep.kernels.multi_lora import triton_multi_lora_linear
+    from lora_sweep.kernels.rmsnorm import rms_norm
+    from lora_sweep.kernels.swiglu import silu_mul
+
+    _, n_sms, shared_bytes = GPUS[capability]
+
+    class CompileOnly:  # Triton's driver for a GPU that is not here
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", capability, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(CompileOnly())
+    compiled = []
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(kernel)
+        return kernel
+
+    JITFunction.run = compile_only
+    metadata.hopper_or_newer = lambda: capability >= 90
+    metadata.has_tma = lambda device: capability >= 90
+    metadata.gluon_gemm_runs = lambda: capability == 90 and metadata.gluon_release(triton.__version__)
+    metadata.sm_count = lora_gemm.sm_count = lambda device: n_sms
+    metadata.shrink_stage_bytes = lambda device: shared_bytes * 2 // 3
+
+    for in_f, out_f, tokens, ranks, p in PACKS:
+        n = len(ranks)
+        x = torch.randn(tokens, in_f, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.randn(out_f, in_f, dtype=torch.bfloat16)
+        lora_a = [torch.randn(r, in_f, requires_grad=True) for r in ranks]
+        lora_b = [torch.randn(out_f, r, requires_grad=True) for r in ranks]
+        seg_lens = [tokens // n] * (n - 1) + [tokens - tokens // n * (n - 1)]
+        config = metadata.config_for(max(ranks), True, metadata.fuses_base(torch.device("cuda"), 2))  # as on such a GPU
+        y = triton_multi_lora_linear(x, weight, None, lora_a, lora_b, [2.0] * n, [p] * n, seg_lens,
+                                     torch.arange(n), config=config)
+        y.backward(torch.ones_like(y))
+    gate = torch.randn(256, 1024, dtype=torch.bfloat16, requires_grad=True)
+    silu_mul(gate, torch.randn_like(gate)).sum().backward()
+    h = torch.randn(256, 2048, dtype=torch.bfloat16, requires_grad=True)
+    rms_norm(h, torch.randn(2048, dtype=torch.bfloat16), 1e-6).sum().backward()
+
+    rows = []
+    for kernel in compiled:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.cubin")
+            with open(path, "wb") as f:
+                f.write(kernel.asm["cubin"])
+            out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path],
+                                 capture_output=True, text=True, check=True).stdout
+        usage = dict(f.split(":", 1) for line in out.splitlines() if "REG:" in line for f in line.split() if ":" in f)
+        rows.append(dict(name=kernel.name, shared=kernel.metadata.shared, regs=int(usage["REG"]),
+                         spills=int(usage["STACK"]) + int(usage["LOCAL"]),
+                         descriptors=any(str(t).startswith("tensordesc") for t in kernel.src.signature.values()),
+                         cp_async="cp.async" in kernel.asm["ptx"]))
+    return rows
+
+
+@pytest.fixture(scope="module", params=sorted(GPUS))
+def kernels_for(request) -> tuple[int, list[dict]]:
+    pytest.importorskip("triton")
+    with tempfile.TemporaryDirectory() as cache:  # compiled afresh
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        run = subprocess.run([sys.executable, __file__, str(request.param)], env=dict(env, TRITON_CACHE_DIR=cache),
+                             capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return request.param, json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_every_kernel_fits_the_gpu_without_spilling(kernels_for):
+    capability, rows = kernels_for
+    names = {r["name"] for r in rows}
+    assert {"_pack_kernel", "_shrink_kernel", "_row_reduce_kernel", "_ds_db_kernel", "_silu_mul_fwd_kernel",
+            "_rms_norm_bwd_kernel"} <= names
+    for r in rows:
+        assert 0 <= r["shared"] <= GPUS[capability][2], r
+        assert r["spills"] <= MAX_SPILL_BYTES, r
+
+
+def test_before_hopper_no_kernel_reads_through_tma_and_the_shrinks_are_pipelined(kernels_for):
+    capability, rows = kernels_for
+    names = {r["name"] for r in rows}
+    if capability >= 90:  # the base GEMM fused with the LoRA term (Triton's or Gluon's), its operands through TMA
+        gemms = [r for r in rows if r["name"] in ("_lora_gemm_kernel", "_lora_gemm_gluon_kernel")]
+        assert gemms and all(r["descriptors"] for r in gemms)
+        return
+    # cuBLAS's base GEMM, the LoRA term added in place; the shrinks stream x and dY through cp.async
+    assert "_lora_gemm_kernel" not in names and "_lora_add_kernel" in names
+    assert not any(r["descriptors"] for r in rows)
+    assert all(r["cp_async"] for r in rows if r["name"] == "_shrink_kernel")
+
+
+if __name__ == "__main__":  # the compiling process of `kernels_for`: one JSON line
+    print(json.dumps(compile_fused_layer(int(sys.argv[1]))))

@@ -99,7 +99,7 @@ def _layer_grads(fn, x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_len
     return [y] + [g for g in grads]
 
 
-def _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, p):
+def _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, p, dtype=torch.bfloat16):
     from lora_sweep.kernels import reference_multi_lora_linear, triton_multi_lora_linear
 
     torch.manual_seed(sum(seg_lens))
@@ -114,8 +114,7 @@ def _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, p):
     seeds = list(range(len(ranks)))
     dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.float64)
     args = (x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds, dy)
-    got = _layer_grads(functools.partial(triton_multi_lora_linear, config=config), *args, torch.bfloat16,
-                       torch.float32)
+    got = _layer_grads(functools.partial(triton_multi_lora_linear, config=config), *args, dtype, torch.float32)
     want = _layer_grads(reference_multi_lora_linear, *args, torch.float64, torch.float64)
     # adapters of 64 rows or more: the gradient of a few rows is a handful of bf16 dot products,
     # whose cancellation alone can put it 1% off (an adapter without rows gets none)
@@ -139,6 +138,19 @@ def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f, pd
 
     config = dataclasses.replace(metadata.config_for(max(ranks), True, True), pdl=pdl)
     _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, 0.1)
+
+
+# fp16 models (`JobSpec.dtype="float16"`): the call's own config for 16-bit inputs (on Hopper the
+# fused GEMM, in Gluon where it runs), and the Triton GEMM
+@pytest.mark.parametrize("gluon", ["default", "never"])
+def test_multi_lora_linear_fp16_against_float64(gluon):
+    from lora_sweep.kernels import metadata
+
+    ranks = [128, 3, 64]
+    config = metadata.config_for(max(ranks), True, metadata.fuses_base(torch.device("cuda"), 2))
+    if gluon == "never":
+        config = dataclasses.replace(config, gluon_gemm="never")
+    _check_layer_against_float64([700, 5, 2100], ranks, 3584, 4096, config, "mixed", torch.float16)
 
 
 _needs_gluon_gemm = pytest.mark.skipif(not gluon_gemm_runs(), reason="the Gluon GEMM is written for Hopper (sm_90) "

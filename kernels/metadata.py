@@ -128,9 +128,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=1)
+def gpu_capability() -> tuple[int, int]:
+    """The current CUDA device's compute capability, (0, 0) where there is none: what every
+    choice here that depends on the GPU's generation reads."""
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
 def hopper_or_newer() -> bool:
-    """Whether the current CUDA device has programmatic dependent launch (compute capability 9.0 on)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    """Whether the current CUDA device has TMA and programmatic dependent launch (9.0 on)."""
+    return gpu_capability() >= (9, 0)
 
 
 # Compile options of every launch: floating-point contraction (FMA) on, as every measurement
@@ -153,7 +159,7 @@ def gluon_release(release: str) -> bool:
 def gluon_gemm_runs() -> bool:
     """Whether the Gluon GEMM can run here: a Hopper GPU (sm_90; its wgmma and register
     budget are Hopper's) and a Triton release it was checked with (`gluon_release`)."""
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+    if gpu_capability()[0] != 9:
         return False
     try:
         import triton
@@ -275,10 +281,13 @@ FUSED_BLOCK_M = 128  # row block of the fused base GEMM: 64-row tiles were slowe
 
 def fuses_base(device: torch.device, element_size: int) -> bool:
     """Whether a call's base GEMM is the fused one (`KernelConfig.fused_base`) rather than
-    cuBLAS's with the LoRA term added in place: it reads its operands through TMA
-    (`has_tma`), and on a GPU only 16-bit ones, since its fp32 dot would run in TF32, where
-    torch's does not. The interpreter takes it for every dtype."""
-    return device.type != "cuda" or (element_size == 2 and has_tma(device))
+    cuBLAS's with the LoRA term added in place. It reads its operands through TMA and keeps
+    a 128 x 256 fp32 accumulator, which only a warpgroup MMA holds without spilling:
+    Hopper's (9.x) and datacenter Blackwell's (10.x). Compiled for the others (Ampere, Ada,
+    consumer Blackwell), it spills or is not pipelined (tests/test_kernels_compile.py). On a
+    GPU it takes only 16-bit inputs, since its fp32 dot would run in TF32, where torch's
+    does not; the interpreter takes it for every dtype."""
+    return device.type != "cuda" or (element_size == 2 and gpu_capability()[0] in (9, 10))
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,5 +1,5 @@
 """The Triton kernels compiled for the GPUs they run on (`dispatch.MIN_CAPABILITY` on: an
-A100, an L4 or RTX 40, an H100), on this machine, with no GPU.
+A100, an L4 or RTX 40, an H100, a B200, an RTX 50), on this machine, with no GPU.
 
 CI checks the kernels' results under the interpreter, which says nothing of what the
 compiler makes of them for a real GPU: whether a program's shared memory fits the device,
@@ -11,9 +11,11 @@ answered as that GPU would.
 
 Before Hopper there is no TMA, and Triton turns a TMA descriptor's loads into plain loads
 that it does not pipeline; so there the kernels must take the paths without descriptors
-(`metadata.has_tma`). Loads of dY that feed a transposed dot (the pass over dY, dB's
-reduction) are not pipelined there either; those loops stream 32 KB a step and are left as
-they are, unmeasured on those GPUs. The compiler runs in a process of its own: the
+(`metadata.has_tma`). The fused base GEMM's accumulator spills without a warpgroup MMA
+(Hopper's, datacenter Blackwell's), so elsewhere the base GEMM is cuBLAS's
+(`metadata.fuses_base`). Loads of dY that feed a transposed dot (the pass over dY, dB's
+reduction) are not pipelined without TMA either; those loops stream 32 KB a step and are
+left as they are, unmeasured on those GPUs. The compiler runs in a process of its own: the
 interpreter, which other tests run in this one, leaves Triton's language patched for
 interpreted kernels.
 """
@@ -29,7 +31,8 @@ import tempfile
 import pytest
 
 # capability -> (a GPU of that kind, its SMs, its shared memory per block, opt-in, in bytes)
-GPUS = {80: ("A100", 108, 166912), 89: ("L4", 58, 101376), 90: ("H100", 132, 232448)}
+GPUS = {80: ("A100", 108, 166912), 89: ("L4", 58, 101376), 90: ("H100", 132, 232448), 100: ("B200", 148, 232448),
+        120: ("RTX 5090", 170, 101376)}
 # (in, out, tokens, ranks, dropout): one pass over dY for dS and dB (rank 16), and two passes
 # with mixed ranks up to 128, uneven segments and a rank that no block divides
 PACKS = [(512, 1024, 1024, (16, 16, 16, 16), 0.05), (384, 768, 1000, (8, 128, 37, 64, 1), 0.1)]
@@ -76,9 +79,8 @@ def compile_fused_layer(capability: int) -> list[dict]:
         return kernel
 
     JITFunction.run = compile_only
-    metadata.hopper_or_newer = lambda: capability >= 90
-    metadata.has_tma = lambda device: capability >= 90
-    metadata.gluon_gemm_runs = lambda: capability == 90 and metadata.gluon_release(triton.__version__)
+    metadata.gpu_capability = lambda: divmod(capability, 10)
+    metadata.has_tma = lambda device: capability >= 90  # the tensors here are on the CPU
     metadata.sm_count = lora_gemm.sm_count = lambda device: n_sms
     metadata.shrink_stage_bytes = lambda device: shared_bytes * 2 // 3
 
@@ -135,15 +137,20 @@ def test_every_kernel_fits_the_gpu_without_spilling(kernels_for):
         assert r["spills"] <= MAX_SPILL_BYTES, r
 
 
-def test_before_hopper_no_kernel_reads_through_tma_and_the_shrinks_are_pipelined(kernels_for):
+def test_the_base_gemm_is_fused_only_with_a_warpgroup_mma(kernels_for):
     capability, rows = kernels_for
     names = {r["name"] for r in rows}
-    if capability >= 90:  # the base GEMM fused with the LoRA term (Triton's or Gluon's), its operands through TMA
-        gemms = [r for r in rows if r["name"] in ("_lora_gemm_kernel", "_lora_gemm_gluon_kernel")]
+    gemms = [r for r in rows if r["name"] in ("_lora_gemm_kernel", "_lora_gemm_gluon_kernel")]
+    if capability in (90, 100):  # Triton's or Gluon's GEMM with the LoRA term, its operands through TMA
         assert gemms and all(r["descriptors"] for r in gemms)
-        return
-    # cuBLAS's base GEMM, the LoRA term added in place; the shrinks stream x and dY through cp.async
-    assert "_lora_gemm_kernel" not in names and "_lora_add_kernel" in names
+    else:  # cuBLAS's GEMM, the LoRA term added in place
+        assert not gemms and "_lora_add_kernel" in names
+
+
+def test_before_hopper_no_kernel_reads_through_tma_and_the_shrinks_are_pipelined(kernels_for):
+    capability, rows = kernels_for
+    if capability >= 90:
+        pytest.skip("TMA from Hopper on")
     assert not any(r["descriptors"] for r in rows)
     assert all(r["cp_async"] for r in rows if r["name"] == "_shrink_kernel")
 

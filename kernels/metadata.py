@@ -293,9 +293,9 @@ def fuses_base(device: torch.device, element_size: int) -> bool:
 @functools.lru_cache(maxsize=64)
 def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelConfig:
     """Block sizes for a call whose largest adapter rank is `max_rank`, with the base GEMM
-    fused with the LoRA term (`fuse_base`: 16-bit inputs on a GPU with TMA) or run by
-    cuBLAS: measured defaults (see benchmarks/KERNELS_NOTES.md); the interpreter gets small
-    blocks (`INTERPRET_CONFIG`)."""
+    fused with the LoRA term (`fuse_base`, as `fuses_base` decides) or run by cuBLAS:
+    measured defaults (see benchmarks/KERNELS_NOTES.md); the interpreter gets small blocks
+    (`INTERPRET_CONFIG`)."""
     if not on_cuda:
         return INTERPRET_CONFIG if fuse_base else dataclasses.replace(INTERPRET_CONFIG, fused_base=False)
     block_r = rank_blocks(max(max_rank, 1))[0]

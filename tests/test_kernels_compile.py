@@ -127,7 +127,7 @@ def kernels_for(request) -> tuple[int, list[dict]]:
     return request.param, json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_every_kernel_fits_the_gpu_without_spilling(kernels_for):
+def test_every_kernel_fits_the_gpus_shared_memory_and_registers(kernels_for):
     capability, rows = kernels_for
     names = {r["name"] for r in rows}
     assert {"_pack_kernel", "_shrink_kernel", "_row_reduce_kernel", "_ds_db_kernel", "_silu_mul_fwd_kernel",

@@ -4,10 +4,10 @@ A100, an L4 or RTX 40, an H100, a B200, an RTX 50), on this machine, with no GPU
 CI checks the kernels' results under the interpreter, which says nothing of what the
 compiler makes of them for a real GPU: whether a program's shared memory fits the device,
 whether its registers spill, whether the loads of the big operands are pipelined. Here a
-fused layer's real forward and backward run on CPU tensors, with Triton's driver replaced
-by one that compiles each launch for a chosen GPU and launches nothing (Triton's `warmup`),
-and with the device queries the launch sizes depend on (capability, SMs, shared memory)
-answered as that GPU would.
+fused layer's real forward and backward, and the fused norm, SwiGLU and cross-entropy, run
+on CPU tensors, with Triton's driver replaced by one that compiles each launch for a chosen
+GPU and launches nothing (Triton's `warmup`), and with the device queries the launch sizes
+depend on (capability, SMs, shared memory) answered as that GPU would.
 
 Before Hopper there is no TMA, and Triton turns a TMA descriptor's loads into plain loads
 that it does not pipeline; so there the kernels must take the paths without descriptors
@@ -51,6 +51,7 @@ def compile_fused_layer(capability: int) -> list[dict]:
 
     from lora_sweep.kernels import lora_gemm, metadata
     from lora_sweep.kernels.multi_lora import triton_multi_lora_linear
+    from lora_sweep.kernels.cross_entropy import cross_entropy_rows
     from lora_sweep.kernels.rmsnorm import rms_norm
     from lora_sweep.kernels.swiglu import silu_mul
 
@@ -99,6 +100,7 @@ def compile_fused_layer(capability: int) -> list[dict]:
     silu_mul(gate, torch.randn_like(gate)).sum().backward()
     h = torch.randn(256, 2048, dtype=torch.bfloat16, requires_grad=True)
     rms_norm(h, torch.randn(2048, dtype=torch.bfloat16), 1e-6).sum().backward()
+    cross_entropy_rows(torch.randn(64, 128256, dtype=torch.bfloat16), torch.randint(0, 128256, (64,)), need_grad=True)
 
     rows = []
     for kernel in compiled:
@@ -131,7 +133,7 @@ def test_every_kernel_fits_the_gpus_shared_memory_and_registers(kernels_for):
     capability, rows = kernels_for
     names = {r["name"] for r in rows}
     assert {"_pack_kernel", "_shrink_kernel", "_row_reduce_kernel", "_ds_db_kernel", "_silu_mul_fwd_kernel",
-            "_rms_norm_bwd_kernel"} <= names
+            "_rms_norm_bwd_kernel", "_cross_entropy_kernel"} <= names
     for r in rows:
         assert 0 <= r["shared"] <= GPUS[capability][2], r
         assert r["spills"] <= MAX_SPILL_BYTES, r

@@ -504,6 +504,10 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
                     graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
                 graphed["fused_dropout"] = (m_fused, pd)  # every adapter with p = 0.05
+                if default.stages_fit_chunks:  # the reductions on reduce_stages whatever their chunks, as until v31
+                    full_stages = dataclasses.replace(default, stages_fit_chunks=False)
+                    graphed["fused_full_stages"] = (lambda q: m_fused(q, full_stages), p)
+                    graphed["fused_dropout_full_stages"] = (lambda q: m_fused(q, full_stages), pd)
                 if default.shrink_warps < 8:  # the shrinks on twice the warps (the mask's draw is integer work)
                     wide_shrink = dataclasses.replace(default, shrink_warps=2 * default.shrink_warps)
                     graphed["fused_wide_shrink"] = (lambda q: m_fused(q, wide_shrink), p)
@@ -1356,6 +1360,9 @@ def summarize(res):
                 # dropout 0.05 on every adapter against none, and over the base
                 ("graphed_dropout_cost", "fused_dropout", "fused", False),
                 ("graphed_fused_dropout_over_base", "fused_dropout", "base", True),
+                # the reductions' stages fitted to their chunks against always reduce_stages (v31)
+                ("graphed_fit_stages_over_full_stages", "fused", "fused_full_stages", False),
+                ("graphed_dropout_fit_stages_over_full_stages", "fused_dropout", "fused_dropout_full_stages", False),
                 # the shrinks on their warps against twice as many (v30)
                 ("graphed_shrink_warps_over_wide_shrink", "fused", "fused_wide_shrink", False),
                 ("graphed_dropout_shrink_warps_over_wide_shrink", "fused_dropout", "fused_dropout_wide_shrink", False),

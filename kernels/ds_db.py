@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from ._triton_common import let_next_kernel_start, load_adapter, load_row_block, wait_for_previous_kernel
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, takes_one_pass
+from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, reduction_stages,
+                       takes_one_pass)
 from .row_reduce import _store_chunk_sum, chunk_sum, lora_row_reduce
 from .shrink import lora_shrink
 
@@ -160,7 +161,7 @@ def lora_ds_db(
         BLOCK_M=cfg.db_block_m,
         BLOCK_N=cfg.ds_db_block_n,
         num_warps=cfg.ds_db_warps,
-        num_stages=cfg.reduce_stages,
+        num_stages=reduction_stages(meta, cfg.db_block_m),
         **common,
         **LAUNCH_OPTIONS,
     )

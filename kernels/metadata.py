@@ -85,6 +85,9 @@ class KernelConfig:
     reduce_block_n: int = 64
     reduce_warps: int = 4
     reduce_stages: int = 3
+    # the reductions' pipelines no deeper than their longest chunk has row steps (`reduction_stages`):
+    # a chunk of one step leaves the other stages' buffers unused, and they bound the programs an SM holds (v31)
+    stages_fit_chunks: bool = True
     reduce_max_block_r: int = 128  # dA's rank block is the pack's, up to this
     db_block_m: int = 64
     db_block_n: int = 128
@@ -266,6 +269,17 @@ def reduce_grid(config: KernelConfig, n_cols: int, max_rank: int, block_r: int, 
     return cdiv(n_cols, block_n), cdiv(max_rank, reduce_rank_block(config, block_r, out_is_b))
 
 
+def reduction_stages(meta: "LoRABatchMeta", block_m: int) -> int:
+    """Pipeline stages of a reduction that steps `block_m` rows through its chunks:
+    `config.reduce_stages`, or as many as the longest chunk has row steps where that is fewer
+    (`KernelConfig.stages_fit_chunks`). At 2048 tokens 32 adapters make chunks of one step,
+    and three stages' buffers would hold the pass over dY to two programs an SM."""
+    cfg = meta.config
+    if not cfg.stages_fit_chunks:
+        return cfg.reduce_stages
+    return max(1, min(cfg.reduce_stages, cdiv(meta.longest_chunk, block_m)))
+
+
 def takes_one_pass(config: KernelConfig, max_rank: int, block_r: int) -> bool:
     """Whether dS and dB come from one pass over dY (`ds_db.py`): where the config takes it
     (`one_pass_dy`) and every rank fits one rank block."""
@@ -354,6 +368,7 @@ class LoRABatchMeta:
     n_blocks: int  # row blocks of the base GEMM: ceil(tokens / block_m)
     n_chunks: int
     chunk_rows: int  # rows per chunk at most (`reduce_chunk_rows`)
+    longest_chunk: int  # rows of the longest chunk: chunk_rows, or fewer where segments are shorter
     max_chunks_per_adapter: int
     max_rank: int
     rank_stride: int  # row stride of S / dS ([tokens, rank_stride] in x's dtype)
@@ -451,6 +466,7 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
         n_blocks=block_tiles.shape[0] - 1,
         n_chunks=chunks.shape[0],
         chunk_rows=chunk_rows,
+        longest_chunk=min(chunk_rows, max((rows for rows, lora in zip(seg_lens, has_lora) if lora), default=0)),
         max_chunks_per_adapter=max(chunk_count, default=0),
         max_rank=max_rank,
         rank_stride=max(16, cdiv(max_rank, 16) * 16),

@@ -26,7 +26,7 @@ from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, l
                              load_row_block)
 from .dropout import dropout_keep_mask
 from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, reduce_grid,
-                       reduce_rank_block, tma_ready)
+                       reduce_rank_block, reduction_stages, tma_ready)
 
 _CHUNK_FIRST_COL = ADAPTER_INT_COLS.index("chunk_first")
 
@@ -259,7 +259,7 @@ def lora_row_reduce(
         BLOCK_N=block_n,
         BLOCK_R=block_r,
         num_warps=warps,
-        num_stages=cfg.reduce_stages,
+        num_stages=reduction_stages(meta, block_m),
         **LAUNCH_OPTIONS,
     )
     if not direct:

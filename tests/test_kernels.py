@@ -38,6 +38,7 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     config_for,
     gluon_release,
     reduce_chunk_rows,
+    reduction_stages,
     shrink_blocks,
 )
 from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters  # noqa: E402
@@ -294,6 +295,25 @@ def test_reduction_chunks_shrink_until_every_sm_has_a_program():
     meta = _meta(case, CONFIGS["fused"])
     assert meta.chunk_rows == 16 and meta.n_chunks == 2 and meta.max_chunks_per_adapter == 2
     check_against_reference(case, CONFIGS["fused"])
+
+
+def test_reduction_pipelines_no_deeper_than_their_chunks():
+    # chunks of 64-row steps: 32 adapters of 64 rows take one step each, 128-row segments two,
+    # and longer ones the config's three stages; rows without LoRA make no chunks
+    cfg = dataclasses.replace(INTERPRET_CONFIG, block_m=64, chunk_rows=1024, chunks_fill_sms=False)
+    x, w = torch.randn(1, 8), torch.randn(8, 8)
+
+    def stages(seg_lens, ranks, config=cfg):
+        lora_a = [torch.randn(r, 8) if r else None for r in ranks]
+        lora_b = [torch.randn(8, r) if r else None for r in ranks]
+        case = (x, w, None, lora_a, lora_b, [1.0] * len(ranks), [0.0] * len(ranks), seg_lens, list(range(len(ranks))))
+        return reduction_stages(_meta(case, config), 64)
+
+    assert stages([64] * 32, [16] * 32) == 1
+    assert stages([128, 40], [16, 16]) == 2
+    assert stages([4000, 64], [16, 16]) == cfg.reduce_stages == 3
+    assert stages([64, 4000], [16, 0]) == 1
+    assert stages([64] * 32, [16] * 32, dataclasses.replace(cfg, stages_fit_chunks=False)) == 3
 
 
 def test_tiles_cut_at_adapters_and_row_blocks():

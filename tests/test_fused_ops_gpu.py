@@ -140,6 +140,21 @@ def test_multi_lora_linear_bf16_against_float64(seg_lens, ranks, in_f, out_f, pd
     _check_layer_against_float64(seg_lens, ranks, in_f, out_f, config, 0.1)
 
 
+# chunks of one and two 64-row steps, whose reductions run one and two pipeline stages
+# (`metadata.reduction_stages`): the one pass over dY (rank 16) and the two passes (rank 32)
+@pytest.mark.parametrize("seg_lens,ranks,stages", [([64] * 32, [16] * 32, 1), ([128] * 6 + [40] * 3, [32] * 9, 2)])
+def test_short_chunks_bf16_against_float64(seg_lens, ranks, stages):
+    from lora_sweep.kernels import metadata
+
+    config = metadata.config_for(max(ranks), True, True)
+    meta = metadata.LoRABatchMeta.build(seg_lens, [torch.empty(r, 1024) for r in ranks],
+                                        [torch.empty(2048, r) for r in ranks], [1.0] * len(ranks),
+                                        [0.0] * len(ranks), list(range(len(ranks))), 1024, 2048,
+                                        torch.device("cuda"), config)
+    assert metadata.reduction_stages(meta, config.db_block_m) == stages
+    _check_layer_against_float64(seg_lens, ranks, 1024, 2048, config, "mixed")
+
+
 # fp16 models (`JobSpec.dtype="float16"`): the call's own config for 16-bit inputs (on Hopper the
 # fused GEMM, in Gluon where it runs), and the Triton GEMM
 @pytest.mark.parametrize("gluon", ["default", "never"])

@@ -7,19 +7,15 @@ the kernel was not written for should fail here rather than on a user's GPU. The
 kernel must also keep within what was measured: the register budget it is launched with,
 no spills to local memory, and shared memory within a Hopper block's 227 KB.
 
-The compiler runs in a process of its own: the interpreter, which other tests run in this
-one, leaves Triton's language patched for interpreted kernels.
+The compiler runs in a process of its own, with an empty cache (`compile_offline`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 
 import pytest
+from compile_offline import compile_in_fresh_process, resource_usage
 
 HOPPER_SHARED_BYTES = 227 * 1024  # a block's shared memory at most on sm_90 (opt-in)
 VARIANTS = {"Y": (True, False, False), "Y_bias": (True, False, True), "dX": (False, False, False),
@@ -54,22 +50,6 @@ def compile_for_hopper(forward: bool, out_dropout: bool, has_bias: bool):
                           options=dict(num_warps=g.NUM_WARPS, maxnreg=g.MAX_REGISTERS, **g.LAUNCH_OPTIONS))
 
 
-def resource_usage(compiled) -> dict:
-    """SHARED (bytes, as launched), REG, STACK, LOCAL, ... of a compiled kernel: cuobjdump's
-    (shipped with Triton) report on its cubin."""
-    from triton import knobs
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        out = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path], capture_output=True,
-                             text=True, check=True).stdout
-    fields = [f for line in out.splitlines() if "REG:" in line for f in line.split()]
-    usage = {k: v for k, v in (f.split(":", 1) for f in fields if ":" in f)}
-    return dict(usage, SHARED=compiled.metadata.shared)
-
-
 @pytest.fixture(scope="module")
 def usage_by_variant() -> dict:
     pytest.importorskip("triton")
@@ -80,12 +60,7 @@ def usage_by_variant() -> dict:
 
     if lora_gemm_gluon.gluon is None or not gluon_release(triton.__version__):
         pytest.skip("the Gluon GEMM is used only with the Triton releases it was checked with")
-    with tempfile.TemporaryDirectory() as cache:  # compiled afresh: a cached kernel would hide a rename
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        run = subprocess.run([sys.executable, __file__], env=dict(env, TRITON_CACHE_DIR=cache), capture_output=True,
-                             text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return compile_in_fresh_process(__file__, timeout=600)  # afresh: a cached kernel would hide a rename
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -15,20 +15,17 @@ that it does not pipeline; so there the kernels must take the paths without desc
 (Hopper's, datacenter Blackwell's), so elsewhere the base GEMM is cuBLAS's
 (`metadata.fuses_base`). Loads of dY that feed a transposed dot (the pass over dY, dB's
 reduction) are not pipelined without TMA either; those loops stream 32 KB a step and are
-left as they are, unmeasured on those GPUs. The compiler runs in a process of its own: the
-interpreter, which other tests run in this one, leaves Triton's language patched for
-interpreted kernels.
+left as they are, unmeasured on those GPUs. The compiler runs in a process of its own, with
+an empty cache (`compile_offline`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 
 import pytest
+from compile_offline import compile_in_fresh_process, resource_usage
 
 # capability -> (a GPU of that kind, its SMs, its shared memory per block, opt-in, in bytes)
 GPUS = {80: ("A100", 108, 166912), 89: ("L4", 58, 101376), 90: ("H100", 132, 232448), 100: ("B200", 148, 232448),
@@ -44,7 +41,6 @@ def compile_fused_layer(capability: int) -> list[dict]:
     """Every kernel a fused layer's fwd+bwd launches for the GPU of `capability` (`GPUS`),
     compiled for it: name, shared memory, registers, spills, TMA descriptors, cp.async."""
     import torch
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -104,14 +100,8 @@ def compile_fused_layer(capability: int) -> list[dict]:
 
     rows = []
     for kernel in compiled:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "kernel.cubin")
-            with open(path, "wb") as f:
-                f.write(kernel.asm["cubin"])
-            out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path],
-                                 capture_output=True, text=True, check=True).stdout
-        usage = dict(f.split(":", 1) for line in out.splitlines() if "REG:" in line for f in line.split() if ":" in f)
-        rows.append(dict(name=kernel.name, shared=kernel.metadata.shared, regs=int(usage["REG"]),
+        usage = resource_usage(kernel)
+        rows.append(dict(name=kernel.name, shared=usage["SHARED"], regs=int(usage["REG"]),
                          spills=int(usage["STACK"]) + int(usage["LOCAL"]),
                          descriptors=any(str(t).startswith("tensordesc") for t in kernel.src.signature.values()),
                          cp_async="cp.async" in kernel.asm["ptx"]))
@@ -121,12 +111,7 @@ def compile_fused_layer(capability: int) -> list[dict]:
 @pytest.fixture(scope="module", params=sorted(GPUS))
 def kernels_for(request) -> tuple[int, list[dict]]:
     pytest.importorskip("triton")
-    with tempfile.TemporaryDirectory() as cache:  # compiled afresh
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        run = subprocess.run([sys.executable, __file__, str(request.param)], env=dict(env, TRITON_CACHE_DIR=cache),
-                             capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return request.param, json.loads(run.stdout.strip().splitlines()[-1])
+    return request.param, compile_in_fresh_process(__file__, str(request.param))
 
 
 def test_every_kernel_fits_the_gpus_shared_memory_and_registers(kernels_for):

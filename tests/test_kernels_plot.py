@@ -23,3 +23,15 @@ def test_plot_draws_each_rows_ratios_against_the_targets(tmp_path):
         assert [list(line.get_ydata()) for line in ax.lines].count([1.15, 1.15]) == 1  # the target
     many = [r for r in rows if r["tokens"] == 2048 and r["adapters"] >= 4]
     assert [b.get_height() for b in bottom_2048.containers[0]] == [r["segref"] / r["fused"] for r in many]
+
+
+def test_plot_takes_the_graphed_reference_where_the_rows_have_it(tmp_path):
+    from benchmarks.kernels import plot_main
+
+    rows = json.load(open(os.path.join(REPO, "benchmarks", "results", "kernels_h200_v32_main.json")))["main"]
+    fig = plot_main(rows, tmp_path / "main.png", "test")
+
+    for ax, tokens in zip(fig.axes[2:], (2048, 16384)):
+        many = [r["refs_graphed"] for r in rows if r["tokens"] == tokens and r["adapters"] >= 4]
+        assert [b.get_height() for b in ax.containers[0]] == [t["segref"] / t["fused"] for t in many]
+        assert "graphed" in ax.containers[0].get_label()

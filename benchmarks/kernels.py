@@ -30,6 +30,7 @@ Sections:
          and board power meanwhile) and one at a time on an idle GPU.
   blocks the shrink and the row reductions alone: the chosen blocks beside fixed variants.
   tune   block-size / base-path variants of the fused path on a subset of shapes (offline tuning).
+  overlap  the dropout mask's draw as a kernel of its own, beside the fused layer on a second stream.
 
 Results go to one JSON file (written after every section, so a timeout keeps what was done);
 a short table is printed last.
@@ -86,6 +87,9 @@ K = _import_kernels()
 from lora_sweep.kernels import metadata as meta_mod  # noqa: E402
 from lora_sweep.kernels.multi_lora import triton_multi_lora_linear  # noqa: E402
 from lora_sweep.kernels.reference import reference_multi_lora_linear  # noqa: E402
+from lora_sweep.kernels._triton_common import keep_nibbles, load_adapter, load_row_block, store_nibbles  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 DRY = "--dry" in sys.argv
 SHAPES = [(4096, 4096), (4096, 14336), (3584, 18944)]  # (in, out): Llama-3-8B q/o, up/gate; Qwen2-7B up/gate
@@ -1307,6 +1311,103 @@ if DRY:
     TUNE_GEMMS = [(16, 32, 32, 4, 1), (32, 32, 32, 4, 1)]
 
 
+@triton.jit
+def _draw_mask_kernel(nibbles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, K, n_groups,
+                      N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_COLS: tl.constexpr):
+    """The forward shrink's keep-mask draw alone, as a kernel of its own (`section_overlap`):
+    a program per (tile, BLOCK_COLS columns), BLOCK_M rows a step, the nibbles stored as the
+    shrink stores them."""
+    adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
+    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
+        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+    if rank == 0 or threshold == 0:
+        return
+    col0 = tl.program_id(1) * BLOCK_COLS
+    for m0 in range(row_start, row_end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        nibbles = keep_nibbles(seed, (rows - seg_start).to(tl.int64), col0, K, threshold, BLOCK_COLS)
+        store_nibbles(nibbles_ptr, nibbles, rows.to(tl.int64), rows < row_end, col0, n_groups, BLOCK_COLS)
+
+
+def section_overlap(res, device):
+    """Can the dropout mask's draw run beside the GEMMs for free? The draw is integer work
+    (Philox), the GEMMs tensor-core work, and the Gluon GEMM leaves each SM about 17k
+    registers and 14 KB of shared memory: room for a small kernel beside it. Graphed,
+    interleaved: the fused layer's fwd+bwd without dropout; with dropout 0.05 (the shrink
+    draws the mask, as by default); the draw alone (`_draw_mask_kernel_fn`); the layer
+    without dropout and the draw one after the other on one stream; and the two side by
+    side on two streams. If the last is close to the first, a mask drawn on a second stream
+    while other layers' GEMMs run would cost little. The draw's nibbles are checked against
+    the shrink's bit for bit."""
+    from lora_sweep.kernels.dropout import empty_mask_nibbles
+    from lora_sweep.kernels.metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
+    from lora_sweep.kernels.pack import pack_adapters
+    from lora_sweep.kernels.shrink import lora_shrink
+
+    out = []
+    rows_to_time = [(4096, 4096, 16384, 4, "16"), (4096, 14336, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"),
+                    (4096, 4096, 2048, 4, "16")]
+    for in_f, out_f, tokens, n, kind in rows_to_time:
+        if DRY:
+            in_f, out_f, tokens = 256, 128, 300
+        ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
+        p0 = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
+        pd = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
+        cfg = meta_mod.config_for(max(ranks), not DRY, True)
+        meta = LoRABatchMeta.build(pd["seg_lens"], pd["lora_a"], pd["lora_b"], pd["scales"], pd["dropout_p"],
+                                   pd["seed"], in_f, out_f, device, cfg)
+        nibbles = empty_mask_nibbles(tokens, in_f, device)
+        block_cols = 128
+
+        def draw():
+            _draw_mask_kernel[(meta.n_tiles, cdiv(in_f, block_cols))](
+                nibbles, *meta.args(), in_f, cdiv(in_f, 4), N_INT_COLS=len(ADAPTER_INT_COLS),
+                N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=32, BLOCK_COLS=block_cols, num_warps=4)
+
+        # the same bits as the forward shrink's
+        draw()
+        x = pd["x"].detach()
+        a_pack, _ = pack_adapters(pd["lora_a"], pd["lora_b"], x.dtype)
+        shrink_nibbles = empty_mask_nibbles(tokens, in_f, device)
+        lora_shrink(x, a_pack, torch.empty(tokens, meta.rank_stride, device=device, dtype=x.dtype), meta,
+                    apply_scale=False, dropout=True, mask_nibbles=shrink_nibbles)
+        same_bits = bool(torch.equal(nibbles, shrink_nibbles))
+
+        layer = fwd_bwd_fn(m_fused, p0)
+        side = torch.cuda.Stream() if not DRY else None
+
+        def layer_then_draw():
+            layer()
+            draw()
+
+        def layer_beside_draw():
+            if DRY:
+                return layer_then_draw()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                draw()
+            layer()
+            torch.cuda.current_stream().wait_stream(side)
+
+        ms, errors = interleaved_ms(dict(fused=layer, fused_dropout=fwd_bwd_fn(m_fused, pd), draw=draw,
+                                         fused_then_draw=layer_then_draw, fused_beside_draw=layer_beside_draw))
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, same_bits_as_shrink=same_bits,
+                   graphed_ms=ms, errors=errors)
+        try:  # what the draw asks of an SM (Triton's kernel cache: internal, so not fatal)
+            compiled = next(iter(_draw_mask_kernel.device_caches[torch.cuda.current_device()][0].values()))
+            row["draw_kernel_registers"], row["draw_kernel_shared_bytes"] = compiled.n_regs, compiled.metadata.shared
+        except Exception as e:
+            row["draw_kernel_resources_error"] = f"{type(e).__name__}: {e}"[:200]
+        out.append(row)
+        f = ms["fused"]
+        print(f"overlap {in_f}->{out_f} tok={tokens} n={n} r={kind}: fused {f:.3f} ms; dropout in the shrink "
+              f"{ms['fused_dropout'] / f:.3f}x; the draw alone {ms['draw']:.3f} ms; then the draw "
+              f"{ms['fused_then_draw'] / f:.3f}x; the draw beside {ms['fused_beside_draw'] / f:.3f}x; "
+              f"same bits {same_bits}; {errors or ''}", flush=True)
+    res["overlap"] = out
+
+
 def section_tune(res, device, deadline):
     rows = res.setdefault("tune", [])
     for in_f, out_f in SHAPES[:2]:
@@ -1642,6 +1743,8 @@ def main():
                 section_blocks(res, device)
             elif sec == "tune":
                 section_tune(res, device, deadline + 120)
+            elif sec == "overlap":
+                section_overlap(res, device)
         except Exception as e:
             import traceback
 

@@ -1312,22 +1312,23 @@ if DRY:
 
 
 @triton.jit
-def _draw_mask_kernel(nibbles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, K, n_groups,
-                      N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _draw_mask_kernel(nibbles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, K, n_groups, n_col_blocks,
+                      n_work, N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_COLS: tl.constexpr):
     """The forward shrink's keep-mask draw alone, as a kernel of its own (`section_overlap`):
-    a program per (tile, BLOCK_COLS columns), BLOCK_M rows a step, the nibbles stored as the
-    shrink stores them."""
-    adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
-    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
-        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
-    if rank == 0 or threshold == 0:
-        return
-    col0 = tl.program_id(1) * BLOCK_COLS
-    for m0 in range(row_start, row_end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        nibbles = keep_nibbles(seed, (rows - seg_start).to(tl.int64), col0, K, threshold, BLOCK_COLS)
-        store_nibbles(nibbles_ptr, nibbles, rows.to(tl.int64), rows < row_end, col0, n_groups, BLOCK_COLS)
+    each program takes every num_programs-th (tile, BLOCK_COLS columns) of the pack, BLOCK_M
+    rows a step, and stores the nibbles as the shrink stores them. A grid of a few programs
+    per SM leaves room on each SM for a GEMM beside it."""
+    for work in range(tl.program_id(0), n_work, tl.num_programs(0)):
+        adapter, row_start, row_end = load_row_block(tiles_ptr, work // n_col_blocks)
+        rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
+            adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+        if rank > 0 and threshold > 0:
+            col0 = (work % n_col_blocks) * BLOCK_COLS
+            for m0 in range(row_start, row_end, BLOCK_M):
+                rows = m0 + tl.arange(0, BLOCK_M)
+                nibbles = keep_nibbles(seed, (rows - seg_start).to(tl.int64), col0, K, threshold, BLOCK_COLS)
+                store_nibbles(nibbles_ptr, nibbles, rows.to(tl.int64), rows < row_end, col0, n_groups, BLOCK_COLS)
 
 
 def section_overlap(res, device):
@@ -1360,10 +1361,15 @@ def section_overlap(res, device):
         nibbles = empty_mask_nibbles(tokens, in_f, device)
         block_cols = 128
 
-        def draw():
-            _draw_mask_kernel[(meta.n_tiles, cdiv(in_f, block_cols))](
-                nibbles, *meta.args(), in_f, cdiv(in_f, 4), N_INT_COLS=len(ADAPTER_INT_COLS),
-                N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=32, BLOCK_COLS=block_cols, num_warps=4)
+        n_col_blocks = cdiv(in_f, block_cols)
+        n_work = meta.n_tiles * n_col_blocks
+
+        def draw(programs_per_sm=None, warps=4):
+            """The whole grid at once (None), or a few programs per SM, each looping over the work."""
+            grid = n_work if programs_per_sm is None else min(n_work, programs_per_sm * meta_mod.sm_count(device))
+            _draw_mask_kernel[(grid,)](
+                nibbles, *meta.args(), in_f, cdiv(in_f, 4), n_col_blocks, n_work, N_INT_COLS=len(ADAPTER_INT_COLS),
+                N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=32, BLOCK_COLS=block_cols, num_warps=warps)
 
         # the same bits as the forward shrink's
         draw()
@@ -1377,23 +1383,55 @@ def section_overlap(res, device):
         layer = fwd_bwd_fn(m_fused, p0)
         side = torch.cuda.Stream() if not DRY else None
 
-        def layer_then_draw():
-            layer()
-            draw()
+        def beside(draw_fn):
+            """The layer on this stream and the draw on a second one, forked before the layer's
+            first kernel and joined after its last."""
+            def both():
+                if DRY:
+                    layer()
+                    return draw_fn()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    draw_fn()
+                layer()
+                torch.cuda.current_stream().wait_stream(side)
+            return both
 
-        def layer_beside_draw():
-            if DRY:
-                return layer_then_draw()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                draw()
-            layer()
-            torch.cuda.current_stream().wait_stream(side)
+        def then(draw_fn):
+            def both():
+                layer()
+                draw_fn()
+            return both
 
-        ms, errors = interleaved_ms(dict(fused=layer, fused_dropout=fwd_bwd_fn(m_fused, pd), draw=draw,
-                                         fused_then_draw=layer_then_draw, fused_beside_draw=layer_beside_draw))
+        fns = dict(fused=layer, fused_dropout=fwd_bwd_fn(m_fused, pd), draw=draw, fused_then_draw=then(draw),
+                   fused_beside_draw=beside(draw))
+        for per_sm, warps in ((1, 4), (2, 4), (1, 8), (4, 4)):  # small grids: room on each SM for the GEMM
+            small = functools.partial(draw, per_sm, warps)
+            fns[f"draw_{per_sm}_per_sm_w{warps}"] = small
+            fns[f"fused_beside_draw_{per_sm}_per_sm_w{warps}"] = beside(small)
+        ms, errors = interleaved_ms(fns)
         row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, same_bits_as_shrink=same_bits,
                    graphed_ms=ms, errors=errors)
+        if not DRY and (in_f, tokens) == (4096, 16384) and n == 4:
+            # Are the two streams concurrent at all, or does the power limit make the draw's
+            # work cost its time wherever it runs? One replay at a time on an idle GPU (full
+            # clock), and back to back with the SM clock and board power sampled (`timed_replays`).
+            names = ("fused", "fused_then_draw", "fused_beside_draw", "fused_beside_draw_2_per_sm_w4")
+            graphs = {name: capture_graph(fns[name]) for name in names}
+            for name, g in graphs.items():
+                spaced, _ = timed_replays(g, 12, idle_s=0.05)
+                times, samples = timed_replays(g, max(20, int(1.5 / ms[name] * 1e3)))
+                mhz = [c for c, _ in samples[len(samples) // 2:] if c is not None]
+                watts = [w for _, w in samples[len(samples) // 2:] if w is not None]
+                row.setdefault("clock_test", {})[name] = dict(
+                    spaced_ms=statistics.median(spaced), sustained_ms=statistics.median(times[len(times) // 2:]),
+                    sustained_sm_mhz=statistics.median(mhz) if mhz else None,
+                    sustained_watts=statistics.median(watts) if watts else None)
+            del graphs
+            print("overlap clock test: " + "; ".join(
+                f"{k}: spaced {v['spaced_ms']:.3f} ms, back to back {v['sustained_ms']:.3f} ms at "
+                f"{v['sustained_sm_mhz']} MHz, {v['sustained_watts']} W" for k, v in row["clock_test"].items()),
+                flush=True)
         try:  # what the draw asks of an SM (Triton's kernel cache: internal, so not fatal)
             compiled = next(iter(_draw_mask_kernel.device_caches[torch.cuda.current_device()][0].values()))
             row["draw_kernel_registers"], row["draw_kernel_shared_bytes"] = compiled.n_regs, compiled.metadata.shared
@@ -1404,7 +1442,9 @@ def section_overlap(res, device):
         print(f"overlap {in_f}->{out_f} tok={tokens} n={n} r={kind}: fused {f:.3f} ms; dropout in the shrink "
               f"{ms['fused_dropout'] / f:.3f}x; the draw alone {ms['draw']:.3f} ms; then the draw "
               f"{ms['fused_then_draw'] / f:.3f}x; the draw beside {ms['fused_beside_draw'] / f:.3f}x; "
-              f"same bits {same_bits}; {errors or ''}", flush=True)
+              + "; ".join(f"{k[len('fused_beside_'):]}: alone {ms[k[len('fused_beside_'):]]:.3f} ms, beside "
+                          f"{ms[k] / f:.3f}x" for k in ms if k.startswith("fused_beside_draw_"))
+              + f"; same bits {same_bits}; {errors or ''}", flush=True)
     res["overlap"] = out
 
 

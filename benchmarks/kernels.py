@@ -1314,11 +1314,13 @@ if DRY:
 @triton.jit
 def _draw_mask_kernel(nibbles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, K, n_groups, n_col_blocks,
                       n_work, N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_COLS: tl.constexpr):
+                      BLOCK_COLS: tl.constexpr, MAX_SHARED: tl.constexpr):
     """The forward shrink's keep-mask draw alone, as a kernel of its own (`section_overlap`):
     each program takes every num_programs-th (tile, BLOCK_COLS columns) of the pack, BLOCK_M
     rows a step, and stores the nibbles as the shrink stores them. A grid of a few programs
-    per SM leaves room on each SM for a GEMM beside it."""
+    per SM leaves room on each SM for a GEMM beside it. MAX_SHARED only tells two compiled
+    copies apart: the caller sets that copy's shared-memory carveout to the maximum
+    (`_prefer_max_shared`), so that an SM holding its programs can also hold the GEMM's."""
     for work in range(tl.program_id(0), n_work, tl.num_programs(0)):
         adapter, row_start, row_end = load_row_block(tiles_ptr, work // n_col_blocks)
         rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
@@ -1329,6 +1331,17 @@ def _draw_mask_kernel(nibbles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, se
                 rows = m0 + tl.arange(0, BLOCK_M)
                 nibbles = keep_nibbles(seed, (rows - seg_start).to(tl.int64), col0, K, threshold, BLOCK_COLS)
                 store_nibbles(nibbles_ptr, nibbles, rows.to(tl.int64), rows < row_end, col0, n_groups, BLOCK_COLS)
+
+
+def _prefer_max_shared(compiled):
+    """Set a compiled Triton kernel's preferred shared-memory carveout to the maximum (CUDA's
+    CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 100%), through the driver API."""
+    import ctypes
+
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    status = libcuda.cuFuncSetAttribute(ctypes.c_void_p(compiled.function), 9, 100)
+    if status:
+        raise RuntimeError(f"cuFuncSetAttribute returned {status}")
 
 
 def section_overlap(res, device):
@@ -1364,12 +1377,15 @@ def section_overlap(res, device):
         n_col_blocks = cdiv(in_f, block_cols)
         n_work = meta.n_tiles * n_col_blocks
 
-        def draw(programs_per_sm=None, warps=4):
+        def draw(programs_per_sm=None, warps=4, max_shared=False):
             """The whole grid at once (None), or a few programs per SM, each looping over the work."""
             grid = n_work if programs_per_sm is None else min(n_work, programs_per_sm * meta_mod.sm_count(device))
-            _draw_mask_kernel[(grid,)](
+            compiled = _draw_mask_kernel[(grid,)](
                 nibbles, *meta.args(), in_f, cdiv(in_f, 4), n_col_blocks, n_work, N_INT_COLS=len(ADAPTER_INT_COLS),
-                N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=32, BLOCK_COLS=block_cols, num_warps=warps)
+                N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=32, BLOCK_COLS=block_cols, MAX_SHARED=max_shared,
+                num_warps=warps)
+            if max_shared and not DRY:
+                _prefer_max_shared(compiled)
 
         # the same bits as the forward shrink's
         draw()
@@ -1405,10 +1421,14 @@ def section_overlap(res, device):
 
         fns = dict(fused=layer, fused_dropout=fwd_bwd_fn(m_fused, pd), draw=draw, fused_then_draw=then(draw),
                    fused_beside_draw=beside(draw))
-        for per_sm, warps in ((1, 4), (2, 4), (1, 8), (4, 4)):  # small grids: room on each SM for the GEMM
+        for per_sm, warps in ((1, 4), (2, 4), (4, 4)):  # small grids: room on each SM for the GEMM
             small = functools.partial(draw, per_sm, warps)
             fns[f"draw_{per_sm}_per_sm_w{warps}"] = small
             fns[f"fused_beside_draw_{per_sm}_per_sm_w{warps}"] = beside(small)
+        for per_sm in (None, 2):  # the same, on SMs configured for the most shared memory
+            carved = functools.partial(draw, per_sm, 4, True)
+            name = f"draw_max_shared_{per_sm or 'all'}"
+            fns[name], fns["fused_beside_" + name] = carved, beside(carved)
         ms, errors = interleaved_ms(fns)
         row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, same_bits_as_shrink=same_bits,
                    graphed_ms=ms, errors=errors)
@@ -1416,7 +1436,8 @@ def section_overlap(res, device):
             # Are the two streams concurrent at all, or does the power limit make the draw's
             # work cost its time wherever it runs? One replay at a time on an idle GPU (full
             # clock), and back to back with the SM clock and board power sampled (`timed_replays`).
-            names = ("fused", "fused_then_draw", "fused_beside_draw", "fused_beside_draw_2_per_sm_w4")
+            names = ("fused", "fused_then_draw", "fused_beside_draw", "fused_beside_draw_2_per_sm_w4",
+                     "fused_beside_draw_max_shared_2")
             graphs = {name: capture_graph(fns[name]) for name in names}
             for name, g in graphs.items():
                 spaced, _ = timed_replays(g, 12, idle_s=0.05)

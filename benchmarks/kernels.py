@@ -1506,6 +1506,30 @@ def spread(values):
     return dict(median=v[len(v) // 2], min=v[0], max=v[-1])
 
 
+def layer_rates(row, ceilings):
+    """TFLOP/s and GB/s of one `main` row's graphed fwd+bwd, for the fused layer and the frozen
+    base, and each over the ceilings measured in the same run (`ceil`). FLOPs: the base's two
+    GEMMs (Y and dX), 4 x tokens x in x out; the LoRA part's six rank-r products (S, S B^T,
+    dS, dB, dA, dS A), 6 x (in + out) x sum of r_i x tokens_i. Bytes: what a layer must move
+    at least, in bf16: x read twice (the forward, dA), W twice, Y written, dY read, dX
+    written; the adapters are left out (small beside these). Also stored in the row."""
+    n = row["adapters"]
+    rows = [row["tokens"] // n] * n
+    rows[-1] += row["tokens"] - sum(rows)
+    base_flops = 4 * row["tokens"] * row["in_f"] * row["out_f"]
+    lora_flops = 6 * (row["in_f"] + row["out_f"]) * sum(r * t for r, t in zip(row["ranks"], rows))
+    layer_bytes = 2 * (2 * row["tokens"] * row["in_f"] + 2 * row["in_f"] * row["out_f"] + 2 * row["tokens"] * row["out_f"]
+                       + row["tokens"] * row["in_f"])
+    fused_s, base_s = row["fused_graphed"] / 1e3, row["base_graphed"] / 1e3
+    rates = dict(fused_TFLOPs=(base_flops + lora_flops) / fused_s / 1e12, base_TFLOPs=base_flops / base_s / 1e12,
+                 fused_GBps=layer_bytes / fused_s / 1e9, base_GBps=layer_bytes / base_s / 1e9)
+    rates.update(fused_TFLOPs_of_matmul_ceiling=rates["fused_TFLOPs"] / ceilings["bf16_matmul_TFLOPs"],
+                 base_TFLOPs_of_matmul_ceiling=rates["base_TFLOPs"] / ceilings["bf16_matmul_TFLOPs"],
+                 fused_GBps_of_copy_ceiling=rates["fused_GBps"] / ceilings["copy_GBps"])
+    row["graphed_rates"] = rates
+    return rates
+
+
 def summarize(res):
     s = {}
     main = [r for r in res.get("main", []) if r.get("fused")]
@@ -1588,6 +1612,12 @@ def summarize(res):
                 s[key] = dict(**spread(ratios), of=len(ratios))
                 if within:
                     s[key]["within_1_15"] = sum(x <= 1.15 for x in ratios)
+        rates = [layer_rates(r, res["ceilings"]) for r in big if r.get("fused_graphed") and r.get("base_graphed")] \
+            if res.get("ceilings") else []
+        if rates:
+            # what the layer achieves, graphed, against the ceilings measured in the same run
+            s["graphed_rates_over_ceilings"] = {
+                key: dict(**spread([x[key] for x in rates]), of=len(rates)) for key in rates[0] if "_of_" in key}
         copy_gbps = res.get("ceilings", {}).get("copy_GBps")
         if copy_gbps:
             # A bound no kernel design beats: the fp32 adapters read once and their fp32 gradients

@@ -35,3 +35,18 @@ def test_plot_takes_the_graphed_reference_where_the_rows_have_it(tmp_path):
         many = [r["refs_graphed"] for r in rows if r["tokens"] == tokens and r["adapters"] >= 4]
         assert [b.get_height() for b in ax.containers[0]] == [t["segref"] / t["fused"] for t in many]
         assert "graphed" in ax.containers[0].get_label()
+
+
+def test_layer_rates_count_the_base_gemms_and_the_six_lora_products():
+    from benchmarks.kernels import layer_rates
+
+    # 2048 tokens over two adapters of ranks 16 and 64 (1024 rows each), 4096 -> 14336, 1 ms each
+    row = dict(adapters=2, tokens=2048, in_f=4096, out_f=14336, ranks=[16, 64], fused_graphed=1.0, base_graphed=1.0)
+    rates = layer_rates(row, dict(bf16_matmul_TFLOPs=800.0, copy_GBps=4000.0))
+    base = 2 * (2 * 2048 * 4096 * 14336)  # Y and dX
+    # S, S B^T, dS, dB, dA and dS A: each 2 x rows x rank x (in or out) flops, three of each width
+    lora = 2 * 1024 * (16 + 64) * 3 * (4096 + 14336)
+    assert abs(rates["base_TFLOPs"] - base / 1e-3 / 1e12) < 1e-9
+    assert abs(rates["fused_TFLOPs"] - (base + lora) / 1e-3 / 1e12) < 1e-9
+    assert abs(rates["fused_TFLOPs_of_matmul_ceiling"] - rates["fused_TFLOPs"] / 800.0) < 1e-12
+    assert row["graphed_rates"] is rates

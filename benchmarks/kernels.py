@@ -1317,10 +1317,10 @@ def _draw_mask_kernel(nibbles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, se
                       BLOCK_COLS: tl.constexpr, MAX_SHARED: tl.constexpr):
     """The forward shrink's keep-mask draw alone, as a kernel of its own (`section_overlap`):
     each program takes every num_programs-th (tile, BLOCK_COLS columns) of the pack, BLOCK_M
-    rows a step, and stores the nibbles as the shrink stores them. A grid of a few programs
-    per SM leaves room on each SM for a GEMM beside it. MAX_SHARED only tells two compiled
-    copies apart: the caller sets that copy's shared-memory carveout to the maximum
-    (`_prefer_max_shared`), so that an SM holding its programs can also hold the GEMM's."""
+    rows a step, and stores the nibbles as the shrink stores them; a grid of a few programs
+    per SM, or one program per item. MAX_SHARED only tells two compiled copies apart: the
+    caller sets that copy's shared-memory carveout to the maximum (`_prefer_max_shared`), so
+    that an SM holding its programs can also hold programs of kernels that need shared memory."""
     for work in range(tl.program_id(0), n_work, tl.num_programs(0)):
         adapter, row_start, row_end = load_row_block(tiles_ptr, work // n_col_blocks)
         rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
@@ -1345,15 +1345,16 @@ def _prefer_max_shared(compiled):
 
 
 def section_overlap(res, device):
-    """Can the dropout mask's draw run beside the GEMMs for free? The draw is integer work
-    (Philox), the GEMMs tensor-core work, and the Gluon GEMM leaves each SM about 17k
-    registers and 14 KB of shared memory: room for a small kernel beside it. Graphed,
-    interleaved: the fused layer's fwd+bwd without dropout; with dropout 0.05 (the shrink
-    draws the mask, as by default); the draw alone (`_draw_mask_kernel_fn`); the layer
-    without dropout and the draw one after the other on one stream; and the two side by
-    side on two streams. If the last is close to the first, a mask drawn on a second stream
-    while other layers' GEMMs run would cost little. The draw's nibbles are checked against
-    the shrink's bit for bit."""
+    """Can the dropout mask's draw run beside the layer's other work for free? The mask depends
+    only on the seed and the layout, so a model could draw a layer's mask while other work
+    runs. Graphed, interleaved: the fused layer's fwd+bwd without dropout; with dropout 0.05
+    (the shrink draws the mask, as by default); the draw alone (`_draw_mask_kernel`); the
+    layer without dropout and the draw one after the other on one stream; and the two side
+    by side on two streams, with the draw's grid whole or a few programs per SM, and its
+    shared-memory carveout as the driver picks it or at the maximum. The draw's nibbles are
+    checked against the shrink's bit for bit. (A program of the Gluon GEMM holds 64,512 of
+    an SM's 65,536 registers, so the draw cannot share an SM with it, only with the layer's
+    smaller kernels and the SMs the GEMMs leave idle in their last wave.)"""
     from lora_sweep.kernels.dropout import empty_mask_nibbles
     from lora_sweep.kernels.metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LoRABatchMeta, cdiv
     from lora_sweep.kernels.pack import pack_adapters
@@ -1421,7 +1422,7 @@ def section_overlap(res, device):
 
         fns = dict(fused=layer, fused_dropout=fwd_bwd_fn(m_fused, pd), draw=draw, fused_then_draw=then(draw),
                    fused_beside_draw=beside(draw))
-        for per_sm, warps in ((1, 4), (2, 4), (4, 4)):  # small grids: room on each SM for the GEMM
+        for per_sm, warps in ((1, 4), (2, 4), (4, 4)):  # small grids, a few programs an SM
             small = functools.partial(draw, per_sm, warps)
             fns[f"draw_{per_sm}_per_sm_w{warps}"] = small
             fns[f"fused_beside_draw_{per_sm}_per_sm_w{warps}"] = beside(small)

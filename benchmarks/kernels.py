@@ -1374,7 +1374,6 @@ def section_overlap(res, device):
                                    pd["seed"], in_f, out_f, device, cfg)
         nibbles = empty_mask_nibbles(tokens, in_f, device)
         block_cols = 128
-
         n_col_blocks = cdiv(in_f, block_cols)
         n_work = meta.n_tiles * n_col_blocks
 
@@ -1772,7 +1771,8 @@ def main():
                          "4096x14336x2048x4x64 (default: PROFILE_ROWS)")
     ap.add_argument("--profile-dropout", type=float, default=0.0, help="profile: every adapter's dropout rate")
     ap.add_argument("--graphed", default=None,
-                    help="main: comma-separated graphed variants to time besides base and fused (default: all)")
+                    help="main: comma-separated graphed variants to time besides base and fused, and `refs` for "
+                         "the baselines' own interleave (default: all)")
     ap.add_argument("--rounds", type=int, default=4,
                     help="gemm: 16 x this many replays of each method, interleaved (`interleaved_ms`)")
     ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET=1: checks the script only")

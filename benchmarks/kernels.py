@@ -1105,6 +1105,7 @@ def eager_gemm_host_ab(device, rounds=7, calls=20):
 SHRINK_VARIANTS = [(64, 64), (32, 128), (16, 256), (16, 128), (16, 64)]  # (rows per program, K step)
 # (column block, warps, rows per step, rank block or the pack's)
 REDUCE_VARIANTS = [(128, 4, 64, None), (64, 4, 64, None), (128, 8, 64, None), (256, 8, 64, None), (128, 8, 32, None),
+                   (128, 8, 128, None), (128, 4, 128, None),  # 128-row steps: twice the bytes in flight a stage (v32)
                    (128, 4, 32, None), (64, 4, 32, None), (128, 4, 64, 32), (128, 4, 64, 64)]
 ONE_PASS_VARIANTS = [(256, 8), (128, 4), (128, 8), (64, 4)]  # (columns of dY per program, warps)
 CHUNK_VARIANTS = [1024, 512, 256, 128]  # rows per chunk of the reductions
@@ -1129,7 +1130,7 @@ def blocks_entry(ms: float, streamed_bytes: int) -> dict:
     return dict(ms=ms, GBps=streamed_bytes / ms / 1e6)
 
 
-def section_blocks(res, device):
+def section_blocks(res, device, packs=None):
     """The backward's kernels and the packing alone, GPU time (`gpu_ms`): the blocks the
     metadata chose beside fixed variants, ms and the GB/s of the big operand streamed (x or dY;
     the copy ceiling is in `ceilings`). Shrink variants are (rows per program, K step);
@@ -1155,7 +1156,7 @@ def section_blocks(res, device):
     from lora_sweep.kernels.shrink import lora_shrink
 
     out = []
-    for in_f, out_f, tokens, n, kind in BLOCK_PACKS:
+    for in_f, out_f, tokens, n, kind in packs or BLOCK_PACKS:
         ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
         p = make_pack(in_f, out_f, tokens, n, ranks, 0.05, device)
         cfg = meta_mod.config_for(max(ranks), not DRY, True)
@@ -1770,6 +1771,8 @@ def main():
                     help="profile: comma-separated rows as in x out x tokens x adapters x rank, e.g. "
                          "4096x14336x2048x4x64 (default: PROFILE_ROWS)")
     ap.add_argument("--profile-dropout", type=float, default=0.0, help="profile: every adapter's dropout rate")
+    ap.add_argument("--block-packs", default=None,
+                    help="blocks: comma-separated packs as --profile-rows gives rows (default: BLOCK_PACKS)")
     ap.add_argument("--graphed", default=None,
                     help="main: comma-separated graphed variants to time besides base and fused, and `refs` for "
                          "the baselines' own interleave (default: all)")
@@ -1805,9 +1808,11 @@ def main():
         if args.packs and not DRY else PACKS
     shapes = [tuple(int(d) for d in sh.split("x")) for sh in args.shapes.split(",")] \
         if args.shapes and not DRY else SHAPES
-    profile_rows = [(*(int(d) for d in row.split("x", 4)[:4]), row.split("x", 4)[4])  # "mixed" holds an x
-                    for row in args.profile_rows.split(",")] \
-        if args.profile_rows and not DRY else PROFILE_ROWS
+    def rows_of(option):  # in x out x tokens x adapters x rank, comma-separated; "mixed" holds an x
+        return [(*(int(d) for d in row.split("x", 4)[:4]), row.split("x", 4)[4]) for row in option.split(",")]
+
+    profile_rows = rows_of(args.profile_rows) if args.profile_rows and not DRY else PROFILE_ROWS
+    block_packs = rows_of(args.block_packs) if args.block_packs and not DRY else None
     for sec in args.sections.split(","):
         t = time.time()
         try:
@@ -1832,7 +1837,7 @@ def main():
             elif sec == "ragged":
                 section_ragged(res, device)
             elif sec == "blocks":
-                section_blocks(res, device)
+                section_blocks(res, device, block_packs)
             elif sec == "tune":
                 section_tune(res, device, deadline + 120)
             elif sec == "overlap":

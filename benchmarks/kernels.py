@@ -108,13 +108,19 @@ def ranks_for(n, kind, rng):
     return [int(kind)] * n
 
 
+def even_split(tokens, n):
+    """Rows of each of n adapters sharing `tokens` rows: as even as can be, the remainder to the last."""
+    rows = [tokens // n] * n
+    rows[-1] += tokens - sum(rows)
+    return rows
+
+
 def make_pack(in_f, out_f, tokens, n, ranks, dropout, device, dtype=None, seed=0, seg_lens=None,
               none_every=0):
     dtype = dtype or (torch.float32 if DRY else torch.bfloat16)  # the CPU interpreter's bf16 dot is wrong
     g = torch.Generator(device="cpu").manual_seed(seed)
     if seg_lens is None:
-        seg_lens = [tokens // n] * n
-        seg_lens[-1] += tokens - sum(seg_lens)
+        seg_lens = even_split(tokens, n)
     x = torch.randn(sum(seg_lens), in_f, generator=g).to(device, dtype)
     weight = (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(device, dtype)
     bias = (torch.randn(out_f, generator=g) * 0.1).to(device, dtype)
@@ -843,6 +849,14 @@ def gpu_state():
         return None, None
 
 
+def median_gpu_state(samples):
+    """(median SM clock in MHz, median board power in W) of `gpu_state` samples, each None
+    where no sample answered it."""
+    mhz = [c for c, _ in samples if c is not None]
+    watts = [w for _, w in samples if w is not None]
+    return statistics.median(mhz) if mhz else None, statistics.median(watts) if watts else None
+
+
 def timed_replays(graph, n, idle_s=0.0):
     """GPU time of each of `n` replays of `graph` (CUDA events), and (clock, power) samples
     taken while they run. With `idle_s`, the GPU idles that long before each replay: a short
@@ -898,10 +912,7 @@ def section_power(res, device):
         for (name, way), times in runs.items():
             row[f"{name}_{way}_ms"] = statistics.median(times)
         for name, samples in clocks.items():
-            mhz = [c for c, _ in samples if c is not None]
-            watts = [w for _, w in samples if w is not None]
-            row[f"{name}_sustained_sm_mhz"] = statistics.median(mhz) if mhz else None
-            row[f"{name}_sustained_watts"] = statistics.median(watts) if watts else None
+            row[f"{name}_sustained_sm_mhz"], row[f"{name}_sustained_watts"] = median_gpu_state(samples)
         row["idle_sm_mhz"], row["idle_watts"] = gpu_state()
         del graphs
         out.append(row)
@@ -1443,12 +1454,10 @@ def section_overlap(res, device):
             for name, g in graphs.items():
                 spaced, _ = timed_replays(g, 12, idle_s=0.05)
                 times, samples = timed_replays(g, max(20, int(1.5 / ms[name] * 1e3)))
-                mhz = [c for c, _ in samples[len(samples) // 2:] if c is not None]
-                watts = [w for _, w in samples[len(samples) // 2:] if w is not None]
+                mhz, watts = median_gpu_state(samples[len(samples) // 2:])
                 row.setdefault("clock_test", {})[name] = dict(
                     spaced_ms=statistics.median(spaced), sustained_ms=statistics.median(times[len(times) // 2:]),
-                    sustained_sm_mhz=statistics.median(mhz) if mhz else None,
-                    sustained_watts=statistics.median(watts) if watts else None)
+                    sustained_sm_mhz=mhz, sustained_watts=watts)
             del graphs
             print("overlap clock test: " + "; ".join(
                 f"{k}: spaced {v['spaced_ms']:.3f} ms, back to back {v['sustained_ms']:.3f} ms at "
@@ -1514,9 +1523,7 @@ def layer_rates(row, ceilings):
     dS, dB, dA, dS A), 6 x (in + out) x sum of r_i x tokens_i. Bytes: what a layer must move
     at least, in bf16: x read twice (the forward, dA), W twice, Y written, dY read, dX
     written; the adapters are left out (small beside these). Also stored in the row."""
-    n = row["adapters"]
-    rows = [row["tokens"] // n] * n
-    rows[-1] += row["tokens"] - sum(rows)
+    rows = even_split(row["tokens"], row["adapters"])  # as `make_pack` laid the row's pack out
     base_flops = 4 * row["tokens"] * row["in_f"] * row["out_f"]
     lora_flops = 6 * (row["in_f"] + row["out_f"]) * sum(r * t for r, t in zip(row["ranks"], rows))
     layer_bytes = 2 * (2 * row["tokens"] * row["in_f"] + 2 * row["in_f"] * row["out_f"] + 2 * row["tokens"] * row["out_f"]

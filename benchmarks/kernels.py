@@ -84,6 +84,7 @@ def _import_kernels():
 if "--dry" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 K = _import_kernels()
+from lora_sweep.kernels import lora_gemm_gluon  # noqa: E402
 from lora_sweep.kernels import metadata as meta_mod  # noqa: E402
 from lora_sweep.kernels.multi_lora import triton_multi_lora_linear  # noqa: E402
 from lora_sweep.kernels.reference import reference_multi_lora_linear  # noqa: E402
@@ -145,6 +146,14 @@ def rank_blocks_differ(ranks):
     """Whether some adapter's own rank block is smaller than the pack's largest: where
     `KernelConfig.fit_rank_block` changes what the kernels run."""
     return len({meta_mod.rank_blocks(r)[0] for r in ranks}) > 1
+
+
+def rank_steps_shorten(ranks):
+    """Whether some adapter's last LoRA step in the Gluon GEMM holds at most half the pack's
+    rank step (`lora_gemm_gluon.rank_step`): where `KernelConfig.gluon_k_fits_rank` changes what
+    the GEMMs multiply."""
+    step = lora_gemm_gluon.rank_step(max(ranks))
+    return step > 16 and any((r - 1) % step + 1 <= step // 2 for r in ranks)
 
 
 def chunks_split(p, config):
@@ -512,6 +521,11 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                 if default.lora_term_last:  # the LoRA term before the K loops (v15's)
                     lora_first = dataclasses.replace(default, lora_term_last=False)
                     graphed["fused_lora_first"] = (lambda q: m_fused(q, lora_first), p)
+                if default.gluon_gemm != "never" and default.gluon_k_fits_rank and rank_steps_shorten(ranks):
+                    # the Gluon GEMM's every rank step as deep as the pack's, as until v33
+                    whole_steps = dataclasses.replace(default, gluon_k_fits_rank=False)
+                    graphed["fused_whole_rank_steps"] = (lambda q: m_fused(q, whole_steps), p)
+                    graphed["fused_dropout_whole_rank_steps"] = (lambda q: m_fused(q, whole_steps), pd)
                 if default.gemm_persistent_dx:  # the dX GEMM one program per tile, as until v24
                     per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
                     graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
@@ -1587,6 +1601,10 @@ def summarize(res):
                 ("graphed_chunks_fill_sms_over_whole_chunks", "fused", "fused_whole_chunks", False),
                 # the fused GEMMs' unmasked LoRA term after their K loops, against before
                 ("graphed_lora_last_over_lora_first", "fused", "fused_lora_first", False),
+                # the Gluon GEMM's short rank steps fitted to their ranks, against as deep as the pack's (v33)
+                ("graphed_k_fits_rank_over_whole_rank_steps", "fused", "fused_whole_rank_steps", False),
+                ("graphed_dropout_k_fits_rank_over_whole_rank_steps", "fused_dropout",
+                 "fused_dropout_whole_rank_steps", False),
                 # the default's programmatic dependent launch against the other choice (v27)
                 ("graphed_default_over_other_pdl", "fused", "fused_other_pdl", False),
                 ("graphed_dropout_default_over_other_pdl", "fused_dropout", "fused_dropout_other_pdl", False),

@@ -199,23 +199,52 @@ if gluon is not None:
                         lora_step += 1
 
     @gluon.jit
-    def _add_lora_step(acc, s_view, l_view, rows, r0, rank, scale, offs_r, offs_lr, s_layout: gl.constexpr,
-                       l_layout: gl.constexpr, FORWARD: gl.constexpr):
-        """acc + rank step r0 of a tile's LoRA term, its operands in shared memory: S's block rows
-        of this tile only (`rows`), its ranks only (the columns past them are not written), in
-        the forward times scale_i in fp32 and rounded back as the Triton kernel does; L's rows
-        past the rank, the next adapter's, zeroed. Returns once the wgmma is done."""
-        R_STEP: gl.constexpr = s_view.type.shape[1]
+    def _lora_wgmma(acc, s_view, l_view, rows, r0, rank, scale, s_layout: gl.constexpr, l_layout: gl.constexpr,
+                    FORWARD: gl.constexpr):
+        """acc + S's ranks r0.. times L's rows of them, as many as the views are wide (K): S's
+        block rows of this tile only (`rows`), its ranks only (the columns past them are not
+        written), in the forward times scale_i in fp32 and rounded back as the Triton kernel
+        does; L's rows past the rank, the next adapter's, zeroed. Returns once the wgmma is done."""
+        K: gl.constexpr = s_view.type.shape[1]
+        offs_r = gl.arange(0, K, layout=gl.SliceLayout(0, s_layout))
         st = s_view.load(s_layout)
         st = gl.where(rows[:, None] & (r0 + offs_r < rank)[None, :], st, 0.0)
         if FORWARD:
             st = (st.to(gl.float32) * scale).to(st.dtype)
-        if rank - r0 < R_STEP:
+        if rank - r0 < K:
+            offs_lr = gl.arange(0, K, layout=gl.SliceLayout(1, l_layout))
             lt = l_view.load(l_layout)
             l_view.store(gl.where((r0 + offs_lr < rank)[:, None], lt, 0.0))
             fence_async_shared()
         acc = warpgroup_mma(st, l_view, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    @gluon.jit
+    def _add_lora_step(acc, s_view, l_view, rows, r0, rank, scale, s_layout: gl.constexpr, l_layout: gl.constexpr,
+                       FORWARD: gl.constexpr, FIT_K: gl.constexpr):
+        """acc + rank step r0 of a tile's LoRA term, its operands in shared memory (`_lora_wgmma`).
+        With FIT_K a step holding 16 or 32 ranks or fewer multiplies only those (its first 16 or
+        32 columns of S and rows of L): in a pack of mixed ranks the step is the largest rank's,
+        up to 64, and an adapter of rank 8 or 16 would otherwise pay a 64-deep wgmma and zero 64
+        rows of L in shared memory on every tile."""
+        R_STEP: gl.constexpr = s_view.type.shape[1]
+        if FIT_K and R_STEP == 64:
+            if rank - r0 <= 16:
+                acc = _lora_wgmma(acc, s_view.slice(0, 16, dim=1), l_view.slice(0, 16, dim=0), rows, r0, rank, scale,
+                                  s_layout, l_layout, FORWARD)
+            elif rank - r0 <= 32:
+                acc = _lora_wgmma(acc, s_view.slice(0, 32, dim=1), l_view.slice(0, 32, dim=0), rows, r0, rank, scale,
+                                  s_layout, l_layout, FORWARD)
+            else:
+                acc = _lora_wgmma(acc, s_view, l_view, rows, r0, rank, scale, s_layout, l_layout, FORWARD)
+        elif FIT_K and R_STEP == 32:
+            if rank - r0 <= 16:
+                acc = _lora_wgmma(acc, s_view.slice(0, 16, dim=1), l_view.slice(0, 16, dim=0), rows, r0, rank, scale,
+                                  s_layout, l_layout, FORWARD)
+            else:
+                acc = _lora_wgmma(acc, s_view, l_view, rows, r0, rank, scale, s_layout, l_layout, FORWARD)
+        else:
+            acc = _lora_wgmma(acc, s_view, l_view, rows, r0, rank, scale, s_layout, l_layout, FORWARD)
         fence_async_shared()  # our reads of the buffer before the loader's next TMA write
         return acc
 
@@ -224,7 +253,7 @@ if gluon is not None:
                        lora_empty, c_free, bias_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                        adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs, FORWARD: gl.constexpr,
                        OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       FIT_K: gl.constexpr, num_warps: gl.constexpr):
         """The MMA warps: the K steps' wgmmas as their operands land, each buffer handed back
         once the wgmma after it has started; the block's LoRA terms, masked to their tiles;
         the bias; the tile out through TMA. With OUT_DROPOUT the LoRA terms come first, from
@@ -243,8 +272,6 @@ if gluon is not None:
         bias_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # a value or two per thread
         num_pid_n, n_pairs, k_steps = _program_work(N, K, n_blocks, n_programs, BLOCK_N, BLOCK_K)
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        offs_r = gl.arange(0, R_STEP, layout=gl.SliceLayout(0, s_layout))
-        offs_lr = gl.arange(0, R_STEP, layout=gl.SliceLayout(1, l_layout))
         offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         # the keep-mask (OUT_DROPOUT): its [BLOCK_M, BLOCK_N // 4] nibbles as loaded, and the
         # accumulator's layout seen as [BLOCK_M, BLOCK_N // 4 nibbles, 4 bits]
@@ -283,8 +310,8 @@ if gluon is not None:
                         buf = step % STAGES
                         mbarrier.wait(ready.index(buf), (step // STAGES) & 1)
                         acc = _add_lora_step(acc, s_ring.index(buf * (BLOCK_K // R_STEP)),
-                                             l_ring.index(buf * (BLOCK_K // R_STEP)), rows, r0, rank, scale, offs_r,
-                                             offs_lr, s_layout, l_layout, FORWARD)
+                                             l_ring.index(buf * (BLOCK_K // R_STEP)), rows, r0, rank, scale, s_layout,
+                                             l_layout, FORWARD, FIT_K)
                         mbarrier.arrive(empty.index(buf))
                         step += 1
                 # The keep-mask: the tile's nibbles read 16 to a thread, handed to the threads whose
@@ -322,8 +349,8 @@ if gluon is not None:
                     rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
                     for r0 in range(0, rank, R_STEP):
                         mbarrier.wait(lora_ready, lora_step & 1)
-                        acc = _add_lora_step(acc, s_buf, l_buf, rows, r0, rank, scale, offs_r, offs_lr, s_layout,
-                                             l_layout, FORWARD)
+                        acc = _add_lora_step(acc, s_buf, l_buf, rows, r0, rank, scale, s_layout, l_layout,
+                                             FORWARD, FIT_K)
                         mbarrier.arrive(lora_empty)
                         lora_step += 1
             if HAS_BIAS:
@@ -346,7 +373,7 @@ if gluon is not None:
                                 tiles_ptr, adapters_i_ptr, adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs,
                                 FORWARD: gl.constexpr, OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
                                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                FIT_K: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -379,7 +406,7 @@ if gluon is not None:
             (_mma_partition, (c_desc, a_bufs, w_bufs, s_buf, l_buf, s_ring, l_ring, c_smem, ready, empty, lora_ready,
                               lora_empty, c_free, bias_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                               adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs, FORWARD, OUT_DROPOUT, HAS_BIAS,
-                              GROUP_M, PDL, num_warps)),
+                              GROUP_M, PDL, FIT_K, num_warps)),
             (_load_partition, (a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, s_ring, l_ring, ready,
                                empty, lora_ready, lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                                adapters_f_ptr, N, K, n_blocks, n_programs, FORWARD, OUT_DROPOUT, GROUP_M, PDL)),
@@ -399,6 +426,12 @@ def _desc(t: torch.Tensor, block: list[int]) -> "TensorDescriptor":
 
 # the launch: one loading warp beside NUM_WARPS MMA warps, at most MAX_REGISTERS a thread
 TILE_N, TILE_K, STAGES, NUM_WARPS, MAX_REGISTERS = 256, 64, 3, 8, 168
+
+
+def rank_step(max_rank: int) -> int:
+    """Ranks per LoRA step (the S and L blocks' width): the pack's largest rank, rounded up to
+    16, 32 or 64 (a wgmma's K is 16)."""
+    return 16 if max_rank <= 16 else 32 if max_rank <= 32 else 64
 
 
 def launch_descriptors(a, w, out, s, pack, forward: bool, block_m: int, r_step: int) -> tuple:
@@ -430,8 +463,7 @@ def lora_gemm_gluon(
     N = out.shape[1]
     n_pairs = meta.n_blocks * cdiv(N, TILE_N)
     grid = min(n_pairs, sm_count(a.device))
-    # ranks per LoRA wgmma: the pack's largest rank, rounded up to 16, 32 or 64 (a wgmma's K is 16)
-    r_step = 16 if meta.max_rank <= 16 else 32 if meta.max_rank <= 32 else 64
+    r_step = rank_step(meta.max_rank)
     # an empty pack still needs a descriptor: one zero row of the right width, never read
     pack = lora_pack if lora_pack.shape[0] else lora_pack.new_zeros(1, N)
     if mask_nibbles is not None:
@@ -441,5 +473,6 @@ def lora_gemm_gluon(
         mask_nibbles if mask_nibbles is not None else out,
         *meta.block_args()[:4], M, N, K, meta.n_blocks, cdiv(N, 4), grid, FORWARD=forward,
         OUT_DROPOUT=mask_nibbles is not None, HAS_BIAS=bias is not None, STAGES=STAGES, GROUP_M=cfg.group_m,
-        PDL=cfg.pdl, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, launch_pdl=cfg.pdl, **LAUNCH_OPTIONS)
+        PDL=cfg.pdl, FIT_K=cfg.gluon_k_fits_rank, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, launch_pdl=cfg.pdl,
+        **LAUNCH_OPTIONS)
     return out

@@ -69,6 +69,9 @@ class KernelConfig:
     # step 1.02-1.12x the tokens/s (four pairs) and a 1B model's host-bound step 0.92-1.13x,
     # within that step's noise (KERNELS_NOTES v29)
     gluon_gemm: str = "never"
+    # in the Gluon GEMM, a rank step that holds 16 or 32 ranks or fewer multiplies only those,
+    # not the pack's whole step (up to 64): an adapter of rank 8 in a pack with rank 128
+    gluon_k_fits_rank: bool = True
     # the LoRA term added in place to a cuBLAS product
     add_block_n: int = 128
     add_warps: int = 4

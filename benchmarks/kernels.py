@@ -156,6 +156,13 @@ def rank_steps_shorten(ranks):
     return step > 16 and any((r - 1) % step + 1 <= step // 2 for r in ranks)
 
 
+def blocks_share_adapters(seg_lens, block_m):
+    """Whether some row block of `block_m` rows holds more than one adapter's rows: where a
+    tile's LoRA term takes more than one step (`KernelConfig.gluon_lora_buffers`)."""
+    starts = list(itertools.accumulate(seg_lens))[:-1]
+    return any(start % block_m for start, n in zip(starts, seg_lens[1:]) if n)
+
+
 def chunks_split(p, config):
     """Whether the reductions of pack `p` take chunks shorter than `config.chunk_rows`
     (`metadata.reduce_chunk_rows`), so that every SM has a program."""
@@ -193,6 +200,17 @@ def pack_in_two_launches(lora_a, lora_b, dtype):
             torch._foreach_copy_(a_pack.split(ranks), list(lora_a))
         bt_pack = lora_b[0].new_empty(sum(ranks), lora_b[0].shape[0], dtype=dtype)
         pack_into(bt_pack, bt_pack, [], lora_b)  # B^T only: the A destination is not touched
+    return a_pack, bt_pack
+
+
+def pack_in_square_tiles(lora_a, lora_b, dtype):
+    """The packing until v33: every program a 64 x 64 tile, whatever the ranks."""
+    from lora_sweep.kernels.pack import pack_into
+
+    r_total = sum(a.shape[0] for a in lora_a)
+    a_pack = lora_a[0].new_empty(r_total, lora_a[0].shape[1], dtype=dtype)
+    bt_pack = lora_b[0].new_empty(r_total, lora_b[0].shape[0], dtype=dtype)
+    pack_into(a_pack, bt_pack, lora_a, lora_b, block_r=64)
     return a_pack, bt_pack
 
 
@@ -526,6 +544,12 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     whole_steps = dataclasses.replace(default, gluon_k_fits_rank=False)
                     graphed["fused_whole_rank_steps"] = (lambda q: m_fused(q, whole_steps), p)
                     graphed["fused_dropout_whole_rank_steps"] = (lambda q: m_fused(q, whole_steps), pd)
+                if (default.gluon_gemm != "never" and lora_gemm_gluon.lora_slots(
+                        lora_gemm_gluon.rank_step(max(ranks)), default) > 1
+                        and blocks_share_adapters(p["seg_lens"], default.block_m)):
+                    # one buffer of the Gluon GEMM's LoRA operands, as until v33
+                    one_buffer = dataclasses.replace(default, gluon_lora_buffers=1)
+                    graphed["fused_one_lora_buffer"] = (lambda q: m_fused(q, one_buffer), p)
                 if default.gemm_persistent_dx:  # the dX GEMM one program per tile, as until v24
                     per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
                     graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
@@ -1210,8 +1234,8 @@ def section_blocks(res, device, packs=None):
         # the per-call packing of the fp32 adapters into bf16 A and B^T: one launch, beside v19's
         # two (A by torch, B^T by the kernel) and torch's (cat, cast, transposing copy)
         adapter_bytes = 6 * sum(ranks) * (in_f + out_f)  # fp32 read + bf16 write, each element once
-        for name, fn in (("pack", pack_adapters), ("pack_two_launches", pack_in_two_launches),
-                         ("pack_reference", reference_pack_adapters)):
+        for name, fn in (("pack", pack_adapters), ("pack_square_tiles", pack_in_square_tiles),
+                         ("pack_two_launches", pack_in_two_launches), ("pack_reference", reference_pack_adapters)):
             ms = gpu_ms(lambda: fn(p["lora_a"], p["lora_b"], x.dtype))
             row[name] = blocks_entry(ms, adapter_bytes)
         for name, u, pack, kw in (("S", x, a_pack, dict(apply_scale=False, dropout=True, mask_nibbles=mask)),
@@ -1605,6 +1629,8 @@ def summarize(res):
                 ("graphed_k_fits_rank_over_whole_rank_steps", "fused", "fused_whole_rank_steps", False),
                 ("graphed_dropout_k_fits_rank_over_whole_rank_steps", "fused_dropout",
                  "fused_dropout_whole_rank_steps", False),
+                # the Gluon GEMM's LoRA operands in two buffers, against one (v33)
+                ("graphed_two_lora_buffers_over_one", "fused", "fused_one_lora_buffer", False),
                 # the default's programmatic dependent launch against the other choice (v27)
                 ("graphed_default_over_other_pdl", "fused", "fused_other_pdl", False),
                 ("graphed_dropout_default_over_other_pdl", "fused_dropout", "fused_dropout_other_pdl", False),

@@ -138,7 +138,7 @@ if gluon is not None:
         return drops, gl.load(adapters_f_ptr + adapter * _N_FLOAT + _INV_KEEP)
 
     @gluon.jit
-    def _load_partition(a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, s_ring, l_ring, ready, empty,
+    def _load_partition(a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_bufs, l_bufs, s_ring, l_ring, ready, empty,
                         lora_ready, lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N,
                         K, n_blocks, n_programs, FORWARD: gl.constexpr, OUT_DROPOUT: gl.constexpr,
                         GROUP_M: gl.constexpr, PDL: gl.constexpr):
@@ -148,6 +148,7 @@ if gluon is not None:
         step into that buffer. With OUT_DROPOUT the LoRA operands come first instead, through
         the ring, one rank step per slot."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
+        LORA_SLOTS: gl.constexpr = lora_ready.type.shape[0]
         R_STEP: gl.constexpr = s_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -192,10 +193,12 @@ if gluon is not None:
                                   gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
                     _, _, rank, r_offset, _ = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
                     for r0 in range(0, rank, R_STEP):
-                        mbarrier.wait(lora_empty, (lora_step & 1) ^ 1)
-                        mbarrier.expect(lora_ready, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
-                        _tma_load(s_desc, [row0, r0], lora_ready, s_buf)
-                        _tma_load(l_desc, [r_offset + r0, n0], lora_ready, l_buf)
+                        slot = lora_step % LORA_SLOTS
+                        mbarrier.wait(lora_empty.index(slot), ((lora_step // LORA_SLOTS) & 1) ^ 1)
+                        bar = lora_ready.index(slot)
+                        mbarrier.expect(bar, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
+                        _tma_load(s_desc, [row0, r0], bar, s_bufs.index(slot))
+                        _tma_load(l_desc, [r_offset + r0, n0], bar, l_bufs.index(l_bufs.type.shape[0] // 2 + slot))
                         lora_step += 1
 
     @gluon.jit
@@ -249,7 +252,7 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _mma_partition(c_desc, a_bufs, w_bufs, s_buf, l_buf, s_ring, l_ring, c_smem, ready, empty, lora_ready,
+    def _mma_partition(c_desc, a_bufs, w_bufs, s_bufs, l_bufs, s_ring, l_ring, c_smem, ready, empty, lora_ready,
                        lora_empty, c_free, bias_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                        adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs, FORWARD: gl.constexpr,
                        OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
@@ -259,7 +262,8 @@ if gluon is not None:
         the bias; the tile out through TMA. With OUT_DROPOUT the LoRA terms come first, from
         the ring, and are masked by the forward's keep-mask before the K steps add to them."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
-        R_STEP: gl.constexpr = s_buf.type.shape[1]
+        LORA_SLOTS: gl.constexpr = lora_ready.type.shape[0]
+        R_STEP: gl.constexpr = s_bufs.type.shape[2]
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -348,10 +352,11 @@ if gluon is not None:
                     row_start, row_end, rank, _, scale = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
                     rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
                     for r0 in range(0, rank, R_STEP):
-                        mbarrier.wait(lora_ready, lora_step & 1)
-                        acc = _add_lora_step(acc, s_buf, l_buf, rows, r0, rank, scale, s_layout, l_layout,
-                                             FORWARD, FIT_K)
-                        mbarrier.arrive(lora_empty)
+                        slot = lora_step % LORA_SLOTS
+                        mbarrier.wait(lora_ready.index(slot), (lora_step // LORA_SLOTS) & 1)
+                        acc = _add_lora_step(acc, s_bufs.index(slot), l_bufs.index(l_bufs.type.shape[0] // 2 + slot),
+                                             rows, r0, rank, scale, s_layout, l_layout, FORWARD, FIT_K)
+                        mbarrier.arrive(lora_empty.index(slot))
                         lora_step += 1
             if HAS_BIAS:
                 # into new registers: ptxas serialises every wgmma of the kernel (a wait after each)
@@ -373,19 +378,21 @@ if gluon is not None:
                                 tiles_ptr, adapters_i_ptr, adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs,
                                 FORWARD: gl.constexpr, OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
                                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
-                                FIT_K: gl.constexpr, num_warps: gl.constexpr):
+                                FIT_K: gl.constexpr, LORA_SLOTS: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
         # the LoRA operands live in the output tile's buffer, idle between a tile's store and its
-        # epilogue: S's rows in its first half, the adapter's rows of B^T (A) in its second
+        # epilogue: S's rows in its first half, the adapter's rows of B^T (A) in its second, one
+        # rank step in each of LORA_SLOTS slots (two fit up to 32 ranks a step), so that a
+        # tile's next step (its block's next adapter) loads while the MMA warps add this one
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         R_STEP: gl.constexpr = s_desc.block_type.shape[1]
-        s_buf = _view(c_smem, [BLOCK_N // R_STEP, BLOCK_M, R_STEP], s_desc).index(0)
-        l_buf = _view(c_smem, [BLOCK_M // R_STEP, R_STEP, BLOCK_N], l_desc).index(
-            BLOCK_M // R_STEP // 2)
+        # (slot i: s_bufs.index(i), l_bufs.index(l_bufs.type.shape[0] // 2 + i))
+        s_bufs = _view(c_smem, [BLOCK_N // R_STEP, BLOCK_M, R_STEP], s_desc)
+        l_bufs = _view(c_smem, [BLOCK_M // R_STEP, R_STEP, BLOCK_N], l_desc)
         # with OUT_DROPOUT they go through the ring instead, ahead of the K steps: a rank step's S
         # and L at the start of a slot's x (dY) and W buffers, slot b at index b * BLOCK_K // R_STEP
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -396,18 +403,19 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        lora_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        lora_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        lora_ready = gl.allocate_shared_memory(gl.int64, [LORA_SLOTS, 1], mbarrier.MBarrierLayout())
+        lora_empty = gl.allocate_shared_memory(gl.int64, [LORA_SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(LORA_SLOTS):
+            mbarrier.init(lora_ready.index(i), count=1)
+            mbarrier.init(lora_empty.index(i), count=1)
         c_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(lora_ready, count=1)
-        mbarrier.init(lora_empty, count=1)
         mbarrier.init(c_free, count=1)
         gl.warp_specialize([
-            (_mma_partition, (c_desc, a_bufs, w_bufs, s_buf, l_buf, s_ring, l_ring, c_smem, ready, empty, lora_ready,
+            (_mma_partition, (c_desc, a_bufs, w_bufs, s_bufs, l_bufs, s_ring, l_ring, c_smem, ready, empty, lora_ready,
                               lora_empty, c_free, bias_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                               adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs, FORWARD, OUT_DROPOUT, HAS_BIAS,
                               GROUP_M, PDL, FIT_K, num_warps)),
-            (_load_partition, (a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_buf, l_buf, s_ring, l_ring, ready,
+            (_load_partition, (a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_bufs, l_bufs, s_ring, l_ring, ready,
                                empty, lora_ready, lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                                adapters_f_ptr, N, K, n_blocks, n_programs, FORWARD, OUT_DROPOUT, GROUP_M, PDL)),
         ], [1], [40])
@@ -432,6 +440,14 @@ def rank_step(max_rank: int) -> int:
     """Ranks per LoRA step (the S and L blocks' width): the pack's largest rank, rounded up to
     16, 32 or 64 (a wgmma's K is 16)."""
     return 16 if max_rank <= 16 else 32 if max_rank <= 32 else 64
+
+
+def lora_slots(r_step: int, config) -> int:
+    """Buffers of the unmasked LoRA term's operands: `config.gluon_lora_buffers`, or as many as
+    fit where fewer do. S's [block_m, r_step] blocks share one half of the output tile's buffer
+    ([block_m, TILE_N]), L's [r_step, TILE_N] blocks the other."""
+    fits = min(TILE_N // (2 * r_step), config.block_m // (2 * r_step))
+    return max(1, min(config.gluon_lora_buffers, fits))
 
 
 def launch_descriptors(a, w, out, s, pack, forward: bool, block_m: int, r_step: int) -> tuple:
@@ -473,6 +489,6 @@ def lora_gemm_gluon(
         mask_nibbles if mask_nibbles is not None else out,
         *meta.block_args()[:4], M, N, K, meta.n_blocks, cdiv(N, 4), grid, FORWARD=forward,
         OUT_DROPOUT=mask_nibbles is not None, HAS_BIAS=bias is not None, STAGES=STAGES, GROUP_M=cfg.group_m,
-        PDL=cfg.pdl, FIT_K=cfg.gluon_k_fits_rank, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, launch_pdl=cfg.pdl,
-        **LAUNCH_OPTIONS)
+        PDL=cfg.pdl, FIT_K=cfg.gluon_k_fits_rank, LORA_SLOTS=lora_slots(r_step, cfg), num_warps=NUM_WARPS,
+        maxnreg=MAX_REGISTERS, launch_pdl=cfg.pdl, **LAUNCH_OPTIONS)
     return out

@@ -72,6 +72,9 @@ class KernelConfig:
     # in the Gluon GEMM, a rank step that holds 16 or 32 ranks or fewer multiplies only those,
     # not the pack's whole step (up to 64): an adapter of rank 8 in a pack with rank 128
     gluon_k_fits_rank: bool = True
+    # in the Gluon GEMM, buffers of the unmasked LoRA term's operands (where they fit: rank steps
+    # up to 32): a row block of several adapters loads the next one's while it adds this one's
+    gluon_lora_buffers: int = 2
     # the LoRA term added in place to a cuBLAS product
     add_block_n: int = 128
     add_warps: int = 4

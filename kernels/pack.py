@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -60,12 +60,12 @@ def _pack_kernel(
     offs_c = c0 + tl.arange(0, BLOCK_C)
     mask = (offs_r < rank)[:, None] & (offs_c < width)[None, :]  # [BLOCK_R, BLOCK_C]
     dst_rows = (r_offset + offs_r)[:, None]
-    if is_b:
-        tile = tl.load(src_ptr + offs_c[:, None].to(tl.int64) * rank + offs_r[None, :], mask=tl.trans(mask))
-        tl.store(bt_ptr + dst_rows * N + offs_c[None, :], tl.trans(tile).to(bt_ptr.dtype.element_ty), mask=mask)
+    if is_b:  # B_i [N, r_i]: read [BLOCK_C, BLOCK_R], written transposed
+        b_tile = tl.load(src_ptr + offs_c[:, None].to(tl.int64) * rank + offs_r[None, :], mask=tl.trans(mask))
+        tl.store(bt_ptr + dst_rows * N + offs_c[None, :], tl.trans(b_tile).to(bt_ptr.dtype.element_ty), mask=mask)
     else:
-        tile = tl.load(src_ptr + offs_r[:, None].to(tl.int64) * K + offs_c[None, :], mask=mask)
-        tl.store(a_ptr + dst_rows * K + offs_c[None, :], tile.to(a_ptr.dtype.element_ty), mask=mask)
+        a_tile = tl.load(src_ptr + offs_r[:, None].to(tl.int64) * K + offs_c[None, :], mask=mask)
+        tl.store(a_ptr + dst_rows * K + offs_c[None, :], a_tile.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -75,11 +75,16 @@ def _address_table(rows: tuple, device: torch.device) -> torch.Tensor:
 
 
 def pack_into(a_pack: torch.Tensor, bt_pack: torch.Tensor, lora_a: Sequence[torch.Tensor],
-              lora_b: Sequence[torch.Tensor], block: int = 64) -> None:
+              lora_b: Sequence[torch.Tensor], block_r: Optional[int] = None, tile_values: int = 4096) -> None:
     """Write each A_i into rows r_offset_i.. of `a_pack` and each B_i^T into those of
     `bt_pack`, in one kernel. Either list may be empty, which leaves its matrix alone. A source
     that is not contiguous is copied first; its copy's address then misses the table cache,
-    which costs a host-to-device copy per call (one a CUDA graph cannot capture)."""
+    which costs a host-to-device copy per call (one a CUDA graph cannot capture).
+
+    Each program moves a tile of `tile_values` values: `block_r` ranks (by default the largest
+    adapter's rank rounded up to a power of two, 16 to 64) by as many columns as make up the
+    rest. Square 64 x 64 tiles left three quarters of every tile of a rank-16 adapter empty, and
+    four times the programs."""
     lora_a, lora_b = [t.contiguous() for t in lora_a], [t.contiguous() for t in lora_b]
     sources = lora_a + lora_b
     if not sources:
@@ -91,9 +96,12 @@ def pack_into(a_pack: torch.Tensor, bt_pack: torch.Tensor, lora_a: Sequence[torc
         rows += [(t.data_ptr(), r, o, is_b) for t, r, o in zip(group, ranks, offsets)]
     table = _address_table(tuple(rows), sources[0].device)
     n_cols = max(a_pack.shape[1] if lora_a else 0, bt_pack.shape[1] if lora_b else 0)
-    grid = (cdiv(n_cols, block), len(sources), cdiv(max(r for _, r, _, _ in rows), block))
+    max_rank = max(r for _, r, _, _ in rows)
+    block_r = block_r or min(64, max(16, triton.next_power_of_2(max_rank)))
+    block_c = tile_values // block_r
+    grid = (cdiv(n_cols, block_c), len(sources), cdiv(max_rank, block_r))
     _pack_kernel[grid](table, sources[0], a_pack, bt_pack, a_pack.shape[1], bt_pack.shape[1],
-                       TABLE_COLS=_TABLE_COLS, BLOCK_C=block, BLOCK_R=block, **LAUNCH_OPTIONS)
+                       TABLE_COLS=_TABLE_COLS, BLOCK_C=block_c, BLOCK_R=block_r, **LAUNCH_OPTIONS)
 
 
 @torch.no_grad()

@@ -222,18 +222,23 @@ def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself(dropout_p):
         assert torch.equal(poisoned[5 + i], clean[5 + i]), f"dB{i}"
 
 
+# Two schedules of the Gluon GEMM's LoRA term against the ones before them, on a pack whose
+# segments are shorter than a row block (blocks of several adapters, with the keep-mask and
+# without): `gluon_k_fits_rank`, where the largest rank (128) makes the rank step 64 and the
+# adapters of rank 8 and 16 take a wgmma 16 deep, the one of rank 32 one 32 deep (40 and 128
+# stay 64); `gluon_lora_buffers`, where ranks up to 32 let a tile load its block's next
+# adapter's operands while it adds this one's.
 @_needs_gluon_gemm
+@pytest.mark.parametrize("field,before,ranks", [("gluon_k_fits_rank", False, [8, 128, 16, 32, 40]),
+                                               ("gluon_lora_buffers", 1, [8, 32, 16, 1, 20])])
 @pytest.mark.parametrize("dropout_p", [[0.0] * 5, [0.1, 0.0, 0.2, 0.0, 0.1]])
-def test_gluon_rank_steps_fitted_to_the_ranks_change_no_bit(dropout_p):
-    """A pack whose largest rank (128) makes the Gluon GEMM's rank step 64: with
-    `gluon_k_fits_rank` the adapters of rank 8 and 16 take a wgmma 16 deep and the one of rank
-    32 one 32 deep (rank 40 and 128's steps stay 64). Y, dX and every gradient are bit for bit
-    those of every step 64 deep, whose extra depth multiplies zeroed ranks; segments shorter
-    than a row block, so blocks hold several adapters, with the keep-mask and without."""
+def test_gluon_lora_term_schedules_change_no_bit(field, before, ranks, dropout_p):
+    """Y, dX and every gradient are bit for bit those of the schedule before: a deeper wgmma
+    adds products of zeroed ranks, and a second buffer only loads earlier."""
     from lora_sweep.kernels import metadata, triton_multi_lora_linear
 
     torch.manual_seed(11)
-    seg_lens, ranks, in_f, out_f = [50, 300, 5, 200, 400], [8, 128, 16, 32, 40], 1024, 2048
+    seg_lens, in_f, out_f = [50, 300, 5, 200, 400], 1024, 2048
     x = torch.randn(sum(seg_lens), in_f, device="cuda")
     dy = torch.randn(sum(seg_lens), out_f, device="cuda")
     weight = torch.randn(out_f, in_f, device="cuda") / in_f ** 0.5
@@ -241,13 +246,13 @@ def test_gluon_rank_steps_fitted_to_the_ranks_change_no_bit(dropout_p):
     lora_a = [torch.randn(r, in_f, device="cuda") / in_f ** 0.5 for r in ranks]
     lora_b = [torch.randn(out_f, r, device="cuda") / r ** 0.5 for r in ranks]
     default = dataclasses.replace(metadata.config_for(max(ranks), True, True), gluon_gemm="always")
-    assert default.gluon_k_fits_rank
+    assert getattr(default, field) != before
     args = (weight, bias, lora_a, lora_b, [2.0, 1.0, 0.5, 4.0, 0.25], dropout_p, seg_lens, [1, 2, 3, 4, 5])
-    fitted, whole = (_layer_grads(functools.partial(triton_multi_lora_linear, config=config), x, *args, dy,
-                                  torch.bfloat16, torch.float32)
-                     for config in (default, dataclasses.replace(default, gluon_k_fits_rank=False)))
+    now, then = (_layer_grads(functools.partial(triton_multi_lora_linear, config=config), x, *args, dy,
+                              torch.bfloat16, torch.float32)
+                 for config in (default, dataclasses.replace(default, **{field: before})))
     for name, got, want in zip(["y", "dx"] + [f"dA{i}" for i in range(5)] + [f"dB{i}" for i in range(5)],
-                               fitted, whole):
+                               now, then):
         assert torch.isfinite(got).all() and torch.equal(got, want), name
 
 

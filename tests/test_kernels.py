@@ -412,9 +412,10 @@ def _adapters_with_rows(lora_a, lora_b, meta):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_adapters_equal_the_reference(dtype):
     # odd ranks and widths: tiles end mid-row and mid-column; rank 70 takes two rank blocks,
-    # and A (37 wide) fewer column blocks than B^T (71)
+    # and A (37 wide) fewer column blocks than B^T (301); alone, the rank-1 adapter takes tiles
+    # of 16 ranks by 256 columns
     torch.manual_seed(3)
-    ranks, in_f, out_f = [1, 3, 17, 70, 5], 37, 71
+    ranks, in_f, out_f = [1, 3, 17, 70, 5], 37, 301
     lora_a = [torch.randn(r, in_f) for r in ranks]
     lora_b = [torch.randn(out_f, r) for r in ranks]
     for a, b in ((lora_a, lora_b), (lora_a[:1], lora_b[:1])):  # five adapters, and one

@@ -1156,7 +1156,7 @@ SHRINK_VARIANTS = [(64, 64), (32, 128), (16, 256), (16, 128), (16, 64)]  # (rows
 REDUCE_VARIANTS = [(128, 4, 64, None), (64, 4, 64, None), (128, 8, 64, None), (256, 8, 64, None), (128, 8, 32, None),
                    (128, 8, 128, None), (128, 4, 128, None),  # 128-row steps: twice the bytes in flight a stage (v32)
                    (128, 4, 32, None), (64, 4, 32, None), (128, 4, 64, 32), (128, 4, 64, 64)]
-ONE_PASS_VARIANTS = [(256, 8), (128, 4), (128, 8), (64, 4)]  # (columns of dY per program, warps)
+ONE_PASS_VARIANTS = [(512, 8), (512, 16), (256, 8), (128, 4), (128, 8), (64, 4)]  # (columns of dY per program, warps)
 CHUNK_VARIANTS = [1024, 512, 256, 128]  # rows per chunk of the reductions
 BLOCK_PACKS = [(4096, 4096, 2048, 1, "16"), (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"),
                (3584, 18944, 2048, 4, "64"), (4096, 4096, 2048, 16, "mixed"),

@@ -13,11 +13,13 @@ STAGES shared buffers as the MMA warps free them, so the next tile's first opera
 under this tile's last steps and its epilogue. After the K steps it loads the tile's LoRA
 operands, 16, 32 or 64 ranks at a time (the pack's largest rank, rounded up), into the
 output tile's buffer, idle from the previous tile's store until this tile's epilogue: the
-row block's rows of S and the adapter's rows of the packed B^T (A). The MMA warps mask
-them (the block's rows of other adapters, the rank's end: another adapter's values, NaN
-included, never reach this one's rows), scale S by scale_i (forward), and add them with
-one wgmma whose first operand comes from registers. The tile leaves through TMA while the
-next one starts.
+row block's rows of S and the adapter's rows of the packed B^T (A), two steps ahead where
+two fit (`lora_slots`), so that a block of several adapters loads the next one's while it
+adds this one's. The MMA warps mask them (the block's rows of other adapters, the rank's
+end: another adapter's values, NaN included, never reach this one's rows), scale S by
+scale_i (forward), and add them with one wgmma whose first operand comes from registers,
+only as deep as the adapter's ranks left need (16, 32 or the whole step). The tile leaves
+through TMA while the next one starts.
 
 dX with dropout masks the LoRA term by the keep-mask the forward shrink stored, which an
 accumulator already holding the base product cannot take. So its term comes first: the

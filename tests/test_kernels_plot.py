@@ -28,7 +28,7 @@ def test_plot_draws_each_rows_ratios_against_the_targets(tmp_path):
 def test_plot_takes_the_graphed_reference_where_the_rows_have_it(tmp_path):
     from benchmarks.kernels import plot_main
 
-    rows = json.load(open(os.path.join(REPO, "benchmarks", "results", "kernels_h200_v32_main.json")))["main"]
+    rows = json.load(open(os.path.join(REPO, "benchmarks", "results", "kernels_h200_v33_main.json")))["main"]
     fig = plot_main(rows, tmp_path / "main.png", "test")
 
     for ax, tokens in zip(fig.axes[2:], (2048, 16384)):

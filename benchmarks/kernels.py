@@ -163,12 +163,22 @@ def blocks_share_adapters(seg_lens, block_m):
     return any(start % block_m for start, n in zip(starts, seg_lens[1:]) if n)
 
 
+def pack_meta(p, config):
+    """The routing tables of pack `p` under `config`."""
+    return meta_mod.LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
+                                        p["seed"], p["weight"].shape[1], p["weight"].shape[0], p["x"].device, config)
+
+
+def chunks_one_step(p, config):
+    """Whether every chunk of pack `p`'s reductions is one row step of the pass over dY, where
+    its programs take groups of column blocks (`ds_db.ds_db_col_group`)."""
+    return pack_meta(p, config).longest_chunk <= config.db_block_m
+
+
 def chunks_split(p, config):
     """Whether the reductions of pack `p` take chunks shorter than `config.chunk_rows`
     (`metadata.reduce_chunk_rows`), so that every SM has a program."""
-    meta = meta_mod.LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
-                                        p["seed"], p["weight"].shape[1], p["weight"].shape[0], p["x"].device, config)
-    return meta.chunk_rows < config.chunk_rows
+    return pack_meta(p, config).chunk_rows < config.chunk_rows
 
 
 def params_of(p):
@@ -550,6 +560,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     # one buffer of the Gluon GEMM's LoRA operands, as until v33
                     one_buffer = dataclasses.replace(default, gluon_lora_buffers=1)
                     graphed["fused_one_lora_buffer"] = (lambda q: m_fused(q, one_buffer), p)
+                if default.one_pass_dy and chunks_one_step(p, default):  # one column block a program, as until v33
+                    col_blocks = dataclasses.replace(default, ds_db_col_group=1)
+                    graphed["fused_one_col_block"] = (lambda q: m_fused(q, col_blocks), p)
                 if default.gemm_persistent_dx:  # the dX GEMM one program per tile, as until v24
                     per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
                     graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
@@ -1322,6 +1335,10 @@ def section_blocks(res, device, packs=None):
             m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_block_n=bn, ds_db_warps=warps))
             ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
             row[f"dSdB_one_pass_{bn}n_w{warps}"] = blocks_entry(ms, dy_bytes)
+        if meta.longest_chunk <= cfg.db_block_m:  # the default's groups of column blocks, against one (v33)
+            m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_col_group=1))
+            ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
+            row["dSdB_one_pass_one_col_block"] = blocks_entry(ms, dy_bytes)
         # the reductions' chunks: fixed rows per chunk beside the chosen (`reduce_chunk_rows`)
         row["chosen_chunk_rows"] = meta.chunk_rows
         grad_a = torch.empty(meta.r_total, in_f, device=device)
@@ -1629,6 +1646,8 @@ def summarize(res):
                 ("graphed_k_fits_rank_over_whole_rank_steps", "fused", "fused_whole_rank_steps", False),
                 ("graphed_dropout_k_fits_rank_over_whole_rank_steps", "fused_dropout",
                  "fused_dropout_whole_rank_steps", False),
+                # the one pass over dY in groups of column blocks where chunks are one row step, against one (v33)
+                ("graphed_col_groups_over_one_col_block", "fused", "fused_one_col_block", False),
                 # the Gluon GEMM's LoRA operands in two buffers, against one (v33)
                 ("graphed_two_lora_buffers_over_one", "fused", "fused_one_lora_buffer", False),
                 # the default's programmatic dependent launch against the other choice (v27)

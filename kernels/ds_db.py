@@ -14,6 +14,9 @@ atomics: the gradients are deterministic, as on the two-pass path.
 The partials cost 8 * rank_stride bytes per row per column block (written, then read),
 against the 2 * out bytes per row of dY's second read: a win for rank blocks of 16 only,
 which is where `config_for` turns it on (`KernelConfig.one_pass_dy`; KERNELS_NOTES v11).
+Where every chunk is a single row step (32 adapters of 64 rows at 2048 tokens), a program
+takes a group of column blocks (`ds_db_col_group`) and writes one dS partial for all of
+them, so the sum adds a quarter as many.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import triton.language as tl
 
 from ._triton_common import let_next_kernel_start, load_adapter, load_row_block, wait_for_previous_kernel
 from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, reduction_stages,
-                       takes_one_pass)
+                       sm_count, takes_one_pass)
 from .row_reduce import _store_chunk_sum, chunk_sum, lora_row_reduce
 from .shrink import lora_shrink
 
@@ -56,38 +59,52 @@ def _ds_db_kernel(
     N_INT_COLS: tl.constexpr,
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per step
-    BLOCK_N: tl.constexpr,  # columns of dY per program
+    BLOCK_N: tl.constexpr,  # columns of dY per column block
     BLOCK_R: tl.constexpr,  # >= the pack's largest rank: one rank block
+    COL_GROUP: tl.constexpr,  # column blocks per program; above 1 only where every chunk is one row step
 ):
     chunk = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    group = tl.program_id(1)  # this program's COL_GROUP column blocks, and its dS partial
     adapter, row_start, row_end = load_row_block(chunks_ptr, chunk)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     offs_m = tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
     r_mask = offs_r < rank
-    # the adapter's B^T for this column block, [BLOCK_R, BLOCK_N]: read once, used by every row step
-    bt = tl.load(bt_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :],
-                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-    ds_part_ptr += pid_n.to(tl.int64) * M * rank_stride
-    db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-    for m0 in range(row_start, row_end, BLOCK_M):
-        rows = m0 + offs_m
-        m_mask = rows < row_end
-        dyt = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dym + offs_n[None, :],
-                      mask=m_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
-        st = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sm + offs_r[None, :],
-                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-        db_acc = tl.dot(tl.trans(dyt), st, db_acc)
-        ds = tl.dot(dyt, tl.trans(bt))  # [BLOCK_M, BLOCK_R]: this column block's share of the rows' dS
+    ds_part_ptr += group.to(tl.int64) * M * rank_stride
+    # With COL_GROUP above 1 every chunk is one row step (the launch sees to it), and the rows'
+    # dS adds up over the group's column blocks in registers: one partial for the group, not
+    # one per column block. (The row step stays a loop of its own: with the rows fixed over
+    # the group's loop, their [BLOCK_M, BLOCK_N] masks and offsets would be hoisted out of
+    # it, into registers.)
+    ds = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for g in range(COL_GROUP):
+        offs_n = (group * COL_GROUP + g) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        # the adapter's B^T for this column block, [BLOCK_R, BLOCK_N]: read once, used by every row step
+        bt = tl.load(bt_ptr + (r_offset + offs_r)[:, None] * N + offs_n[None, :],
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+        for m0 in range(row_start, row_end, BLOCK_M):
+            rows = m0 + offs_m
+            m_mask = rows < row_end
+            dyt = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dym + offs_n[None, :],
+                          mask=m_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+            st = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sm + offs_r[None, :],
+                         mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+            db_acc = tl.dot(tl.trans(dyt), st, db_acc)
+            if COL_GROUP == 1:  # this column block's share of the rows' dS
+                ds = tl.dot(dyt, tl.trans(bt))
+                tl.store(ds_part_ptr + rows[:, None].to(tl.int64) * rank_stride + offs_r[None, :], ds,
+                         mask=m_mask[:, None] & r_mask[None, :])
+            else:
+                ds = tl.dot(dyt, tl.trans(bt), ds)
+        _store_chunk_sum(db_ptr, db_acc, scale, chunk, r_offset, rank, offs_n, offs_r, N, rank_stride, True, DIRECT)
+    if COL_GROUP > 1:
+        rows = row_start + offs_m
         tl.store(ds_part_ptr + rows[:, None].to(tl.int64) * rank_stride + offs_r[None, :], ds,
-                 mask=m_mask[:, None] & r_mask[None, :])
-
-    _store_chunk_sum(db_ptr, db_acc, scale, chunk, r_offset, rank, offs_n, offs_r, N, rank_stride, True, DIRECT)
+                 mask=(rows < row_end)[:, None] & r_mask[None, :])
 
 
 @triton.jit
@@ -129,6 +146,18 @@ def _ds_sum_kernel(
     tl.store(out_ptrs, (acc * scale).to(ds_ptr.dtype.element_ty), mask=mask)
 
 
+def ds_db_col_group(meta: LoRABatchMeta, n_col_blocks: int, n_sms: int) -> int:
+    """Column blocks per program of the one pass over dY: `config.ds_db_col_group` where every
+    chunk is one row step (32 adapters of 64 rows at 2048 tokens), halved while the grid would
+    leave SMs without a program; else 1. Each program then writes one dS partial for its
+    group instead of one per column block, and the dS sum adds that many fewer."""
+    cfg = meta.config
+    group = cfg.ds_db_col_group if meta.longest_chunk <= cfg.db_block_m else 1
+    while group > 1 and meta.n_chunks * cdiv(n_col_blocks, group) < n_sms:
+        group //= 2
+    return max(1, min(group, n_col_blocks))
+
+
 def lora_ds_db(
     dy: torch.Tensor,  # [M, N] contiguous
     s: torch.Tensor,  # [M, meta.rank_stride] in dy's dtype: the forward's S
@@ -148,18 +177,21 @@ def lora_ds_db(
     if meta.n_chunks == 0:
         return
     n_col_blocks = cdiv(N, cfg.ds_db_block_n)
+    col_group = ds_db_col_group(meta, n_col_blocks, sm_count(dy.device))
+    n_parts = cdiv(n_col_blocks, col_group)  # dS partials: one per program of a chunk
     direct = meta.max_chunks_per_adapter <= 1
     common = dict(N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_R=meta.block_r)
-    ds_part = torch.empty(n_col_blocks, M, meta.rank_stride, device=dy.device, dtype=torch.float32)
+    ds_part = torch.empty(n_parts, M, meta.rank_stride, device=dy.device, dtype=torch.float32)
     db_part = db if direct else torch.empty(meta.n_chunks, N, meta.rank_stride, device=dy.device,
                                             dtype=torch.float32)
-    _ds_db_kernel[(meta.n_chunks, n_col_blocks)](
+    _ds_db_kernel[(meta.n_chunks, n_parts)](
         dy, s, bt_pack, ds_part, db_part, *meta.chunk_args(),
         M, N, meta.rank_stride,
         dy.stride(0), s.stride(0),
         DIRECT=direct,
         BLOCK_M=cfg.db_block_m,
         BLOCK_N=cfg.ds_db_block_n,
+        COL_GROUP=col_group,
         num_warps=cfg.ds_db_warps,
         num_stages=reduction_stages(meta, cfg.db_block_m),
         **common,
@@ -167,7 +199,7 @@ def lora_ds_db(
     )
     sum_m = min(32, cfg.block_m)
     _ds_sum_kernel[(meta.n_tiles, cfg.block_m // sum_m)](
-        ds_part, ds, *meta.args(), M, meta.rank_stride, n_col_blocks, ds.stride(0),
+        ds_part, ds, *meta.args(), M, meta.rank_stride, n_parts, ds.stride(0),
         BLOCK_M=sum_m, PDL=cfg.pdl, num_warps=4, launch_pdl=cfg.pdl, **common, **LAUNCH_OPTIONS)
     if not direct:
         chunk_sum(db_part, db, meta, N, meta.block_r, out_is_b=True)

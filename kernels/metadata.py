@@ -115,8 +115,12 @@ class KernelConfig:
     # dS and dB in one pass over dY (ds_db.py) instead of the dS shrink and the dB reduction;
     # rows per step db_block_m
     one_pass_dy: bool = False
-    ds_db_block_n: int = 256  # columns of dY per program
+    ds_db_block_n: int = 256  # columns of dY per column block
     ds_db_warps: int = 8
+    # column blocks per program of the one pass where every chunk is one row step
+    # (`ds_db.ds_db_col_group`): fewer dS partials to write and to add up; 0.98-0.99x the
+    # layer's time at 2048 tokens of 32 adapters of rank 16 (KERNELS_NOTES v33)
+    ds_db_col_group: int = 4
     # in a CUDA graph, the backward's dA (and, in two passes over dY, dB) on a second stream
     # beside the dS shrink and the dX GEMM, which need neither: median 0.98x the layer's GPU
     # time at 2048 tokens (to 0.94x), 0.99x at 16384; eagerly it costs the host more (v21)

@@ -198,6 +198,20 @@ def test_matches_reference_forty_adapters():
     check_against_reference(random_case(40, 7, max_rows=6), CONFIGS["split_chunks"])
 
 
+@pytest.mark.parametrize("out_f", [100, 24])
+def test_one_pass_over_dy_in_column_groups_matches_reference(out_f):
+    # every segment within one row step of the pass over dY: its programs take groups of
+    # column blocks (`ds_db_col_group`), 7 blocks of 16 in groups of 4 (the last group's last
+    # block past the edge), or 2 blocks in one group of 2
+    from lora_sweep.kernels.ds_db import ds_db_col_group
+
+    case = random_case(9, 8, out_f=out_f, max_rows=INTERPRET_CONFIG.db_block_m)
+    meta = _meta(case, INTERPRET_CONFIG)
+    n_col_blocks = -(-out_f // INTERPRET_CONFIG.ds_db_block_n)
+    assert ds_db_col_group(meta, n_col_blocks, 4) == min(4, n_col_blocks)
+    check_against_reference(case, INTERPRET_CONFIG)
+
+
 @pytest.mark.parametrize("config", ["fused", "lora_term_first", "cublas_base"])
 def test_matches_reference_above_one_rank_step(config):
     # ranks past the GEMM's rank step of 64 (`rank_blocks`): the LoRA term takes two and three steps

@@ -84,7 +84,7 @@ def _import_kernels():
 if "--dry" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 K = _import_kernels()
-from lora_sweep.kernels import lora_gemm_gluon  # noqa: E402
+from lora_sweep.kernels import ds_db, lora_gemm_gluon  # noqa: E402
 from lora_sweep.kernels import metadata as meta_mod  # noqa: E402
 from lora_sweep.kernels.multi_lora import triton_multi_lora_linear  # noqa: E402
 from lora_sweep.kernels.reference import reference_multi_lora_linear  # noqa: E402
@@ -169,10 +169,11 @@ def pack_meta(p, config):
                                         p["seed"], p["weight"].shape[1], p["weight"].shape[0], p["x"].device, config)
 
 
-def chunks_one_step(p, config):
-    """Whether every chunk of pack `p`'s reductions is one row step of the pass over dY, where
-    its programs take groups of column blocks (`ds_db.ds_db_col_group`)."""
-    return pack_meta(p, config).longest_chunk <= config.db_block_m
+def takes_col_groups(meta, out_f, device):
+    """Whether the one pass over dY of `meta`'s layout runs programs of several column blocks
+    (`ds_db.ds_db_col_group`: where every chunk is one row step)."""
+    n_col_blocks = meta_mod.cdiv(out_f, meta.config.ds_db_block_n)
+    return ds_db.ds_db_col_group(meta, n_col_blocks, meta_mod.sm_count(device)) > 1
 
 
 def chunks_split(p, config):
@@ -560,7 +561,8 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     # one buffer of the Gluon GEMM's LoRA operands, as until v33
                     one_buffer = dataclasses.replace(default, gluon_lora_buffers=1)
                     graphed["fused_one_lora_buffer"] = (lambda q: m_fused(q, one_buffer), p)
-                if default.one_pass_dy and chunks_one_step(p, default):  # one column block a program, as until v33
+                if default.one_pass_dy and takes_col_groups(pack_meta(p, default), out_f, device):
+                    # one column block a program of the pass over dY, as until v33
                     col_blocks = dataclasses.replace(default, ds_db_col_group=1)
                     graphed["fused_one_col_block"] = (lambda q: m_fused(q, col_blocks), p)
                 if default.gemm_persistent_dx:  # the dX GEMM one program per tile, as until v24
@@ -1335,7 +1337,7 @@ def section_blocks(res, device, packs=None):
             m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_block_n=bn, ds_db_warps=warps))
             ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
             row[f"dSdB_one_pass_{bn}n_w{warps}"] = blocks_entry(ms, dy_bytes)
-        if meta.longest_chunk <= cfg.db_block_m:  # the default's groups of column blocks, against one (v33)
+        if takes_col_groups(meta, out_f, device):  # the default's groups of column blocks, against one (v33)
             m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_col_group=1))
             ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
             row["dSdB_one_pass_one_col_block"] = blocks_entry(ms, dy_bytes)

@@ -176,6 +176,22 @@ def takes_col_groups(meta, out_f, device):
     return ds_db.ds_db_col_group(meta, n_col_blocks, meta_mod.sm_count(device)) > 1
 
 
+def shrinks_change(p, config, other):
+    """Whether pack `p`'s two shrinks launch other blocks or other splits of K under `other`
+    than under `config` (`metadata.shrink_blocks`, `LoRABatchMeta.k_splits`)."""
+    def launch(c):
+        m = pack_meta(p, c)
+        return (m.shrink_block_m, m.shrink_block_k, m.mask_shrink_block_m, m.mask_shrink_block_k,
+                m.k_splits(p["weight"].shape[1]), m.k_splits(p["weight"].shape[0]))
+    return launch(config) != launch(other)
+
+
+def with_shrink_blocks(meta, rows, k_step):
+    """`meta` with every shrink on programs of `rows` rows and K steps of `k_step`."""
+    return dataclasses.replace(meta, shrink_block_m=rows, shrink_block_k=k_step, mask_shrink_block_m=rows,
+                               mask_shrink_block_k=k_step)
+
+
 def chunks_split(p, config):
     """Whether the reductions of pack `p` take chunks shorter than `config.chunk_rows`
     (`metadata.reduce_chunk_rows`), so that every SM has a program."""
@@ -561,6 +577,11 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     # one buffer of the Gluon GEMM's LoRA operands, as until v33
                     one_buffer = dataclasses.replace(default, gluon_lora_buffers=1)
                     graphed["fused_one_lora_buffer"] = (lambda q: m_fused(q, one_buffer), p)
+                rows_halved = dataclasses.replace(default, shrink_split_k=False)
+                if shrinks_change(p, default, rows_halved):
+                    # the shrinks' rows halved below the rank block instead of K split, as until v34
+                    graphed["fused_rows_halved_shrinks"] = (lambda q: m_fused(q, rows_halved), p)
+                    graphed["fused_dropout_rows_halved_shrinks"] = (lambda q: m_fused(q, rows_halved), pd)
                 if default.one_pass_dy and takes_col_groups(pack_meta(p, default), out_f, device):
                     # one column block a program of the pass over dY, as until v33
                     col_blocks = dataclasses.replace(default, ds_db_col_group=1)
@@ -1166,7 +1187,8 @@ def eager_gemm_host_ab(device, rounds=7, calls=20):
     return rows
 
 
-SHRINK_VARIANTS = [(64, 64), (32, 128), (16, 256), (16, 128), (16, 64)]  # (rows per program, K step)
+SHRINK_VARIANTS = [(64, 64), (32, 128), (16, 256), (16, 128), (16, 64)]  # (rows per program, K step), K whole
+SPLIT_VARIANTS = [(64, 64, 2), (64, 64, 4), (64, 64, 8), (64, 128, 4), (32, 64, 2), (32, 128, 2)]  # and splits of K
 # (column block, warps, rows per step, rank block or the pack's)
 REDUCE_VARIANTS = [(128, 4, 64, None), (64, 4, 64, None), (128, 8, 64, None), (256, 8, 64, None), (128, 8, 32, None),
                    (128, 8, 128, None), (128, 4, 128, None),  # 128-row steps: twice the bytes in flight a stage (v32)
@@ -1180,6 +1202,7 @@ BLOCK_PACKS = [(4096, 4096, 2048, 1, "16"), (4096, 4096, 2048, 4, "16"), (4096, 
                (4096, 4096, 16384, 32, "mixed"), (3584, 18944, 16384, 32, "mixed")]
 if DRY:
     SHRINK_VARIANTS, REDUCE_VARIANTS = [(16, 32), (8, 64)], [(32, 4, 16, None), (16, 4, 16, 16)]
+    SPLIT_VARIANTS = [(16, 32, 2), (8, 64, 3)]
     ONE_PASS_VARIANTS = [(16, 4), (32, 4)]
     CHUNK_VARIANTS = [32, 16]
     BLOCK_PACKS = [(64, 48, 64, 2, "16"), (64, 48, 64, 4, "mixed")]
@@ -1217,7 +1240,7 @@ def section_blocks(res, device, packs=None):
     from lora_sweep.kernels.metadata import LoRABatchMeta
     from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters
     from lora_sweep.kernels.row_reduce import lora_row_reduce
-    from lora_sweep.kernels.shrink import lora_shrink
+    from lora_sweep.kernels.shrink import lora_shrink, shrink_launch
 
     out = []
     for in_f, out_f, tokens, n, kind in packs or BLOCK_PACKS:
@@ -1235,6 +1258,7 @@ def section_blocks(res, device, packs=None):
         lora_shrink(x, a_pack, torch.empty_like(s), meta, apply_scale=False, dropout=True, mask_nibbles=mask)
         row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, block_m=cfg.block_m,
                    chosen_shrink=[meta.shrink_block_m, meta.shrink_block_k],
+                   chosen_mask_shrink=[meta.mask_shrink_block_m, meta.mask_shrink_block_k],
                    chosen_reduce_dA=[cfg.reduce_block_n, cfg.reduce_warps, cfg.reduce_block_m,
                                      meta_mod.reduce_rank_block(cfg, meta.block_r, False)],
                    chosen_reduce_dB=[cfg.db_block_n, cfg.db_warps, cfg.db_block_m,
@@ -1245,6 +1269,9 @@ def section_blocks(res, device, packs=None):
         no_dropout = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], [0.0] * n, p["seed"],
                                          in_f, out_f, device, cfg)
         fits_differ = rank_blocks_differ(ranks)
+        rows_halved = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
+                                          p["seed"], in_f, out_f, device,
+                                          dataclasses.replace(cfg, shrink_split_k=False))
         one_block = dataclasses.replace(meta, config=dataclasses.replace(cfg, fit_rank_block=False))
         # the per-call packing of the fp32 adapters into bf16 A and B^T: one launch, beside v19's
         # two (A by torch, B^T by the kernel) and torch's (cat, cast, transposing copy)
@@ -1258,14 +1285,24 @@ def section_blocks(res, device, packs=None):
             for bm, bk in SHRINK_VARIANTS:
                 if cfg.block_m % bm:
                     continue
-                m = dataclasses.replace(meta, shrink_block_m=bm, shrink_block_k=bk)
+                m = with_shrink_blocks(meta, bm, bk)
                 o = torch.empty_like(s)
-                ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, **kw))
+                ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, k_splits=1, **kw))
                 row[f"shrink_{name}_{bm}x{bk}"] = blocks_entry(ms, nbytes(u))
                 if name == "S":  # the same blocks without dropout
-                    m = dataclasses.replace(no_dropout, shrink_block_m=bm, shrink_block_k=bk)
-                    ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, apply_scale=False, dropout=False))
+                    m = with_shrink_blocks(no_dropout, bm, bk)
+                    ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, apply_scale=False, dropout=False, k_splits=1))
                     row[f"shrink_S_{bm}x{bk}_no_dropout"] = blocks_entry(ms, nbytes(u))
+            # K split over programs (rows, K step, splits), the splits' sum included: the chosen
+            # launch (`k_splits`), and fixed ones
+            row[f"chosen_shrink_{name}_splits"] = shrink_launch(meta, u.shape[1], kw["dropout"] and meta.has_dropout)[2]
+            for bm, bk, splits in SPLIT_VARIANTS:
+                if cfg.block_m % bm:
+                    continue
+                m = with_shrink_blocks(meta, bm, bk)
+                o = torch.empty_like(s)
+                ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, k_splits=splits, **kw))
+                row[f"shrink_{name}_{bm}x{bk}_split{splits}"] = blocks_entry(ms, nbytes(u))
             if name == "S":  # the chosen blocks without dropout: what drawing the mask costs
                 o = torch.empty_like(s)
                 ms = gpu_ms(lambda: lora_shrink(u, pack, o, no_dropout, apply_scale=False, dropout=False))
@@ -1274,6 +1311,14 @@ def section_blocks(res, device, packs=None):
                 o = torch.empty_like(s)
                 ms = gpu_ms(lambda: lora_shrink(u, pack, o, one_block, **kw))
                 row[f"shrink_{name}_one_rank_block"] = blocks_entry(ms, nbytes(u))
+            # the chosen launch, and the one chosen as until v34 (rows halved below the rank block, K
+            # whole); the forward shrink also without dropout, where it takes the splits
+            runs = [(name, kw)] + ([("S_no_dropout", dict(apply_scale=False, dropout=False))] if name == "S" else [])
+            for key, kw_run in runs:
+                for label, m in (("chosen", meta), ("rows_halved", rows_halved)):
+                    o = torch.empty_like(s)
+                    ms = gpu_ms(lambda: lora_shrink(u, pack, o, m, **kw_run))
+                    row[f"shrink_{key}_{label}"] = blocks_entry(ms, nbytes(u))
         db = torch.empty(out_f * meta.r_total, device=device)
         for name, u, v, out_is_b, kw in (("dB", dy, s, True, {}), ("dA", x, s, False, dict(mask_nibbles=mask))):
             grad = db if out_is_b else torch.empty(meta.r_total, in_f, device=device)
@@ -1335,8 +1380,11 @@ def section_blocks(res, device, packs=None):
         row["dSdB_two_pass"] = blocks_entry(ms, dy_bytes)
         for bn, warps in ONE_PASS_VARIANTS:
             m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_block_n=bn, ds_db_warps=warps))
-            ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
-            row[f"dSdB_one_pass_{bn}n_w{warps}"] = blocks_entry(ms, dy_bytes)
+            try:
+                ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
+                row[f"dSdB_one_pass_{bn}n_w{warps}"] = blocks_entry(ms, dy_bytes)
+            except Exception as e:  # a variant that does not fit (shared memory at large ranks) is recorded
+                row[f"dSdB_one_pass_{bn}n_w{warps}"] = f"{type(e).__name__}: {e}"[:200]
         if takes_col_groups(meta, out_f, device):  # the default's groups of column blocks, against one (v33)
             m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_col_group=1))
             ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
@@ -1650,6 +1698,11 @@ def summarize(res):
                  "fused_dropout_whole_rank_steps", False),
                 # the one pass over dY in groups of column blocks where chunks are one row step, against one (v33)
                 ("graphed_col_groups_over_one_col_block", "fused", "fused_one_col_block", False),
+                # the shrinks with K split over programs where the layout has few tiles, against
+                # their rows halved below the rank block (v34)
+                ("graphed_split_k_over_rows_halved", "fused", "fused_rows_halved_shrinks", False),
+                ("graphed_dropout_split_k_over_rows_halved", "fused_dropout", "fused_dropout_rows_halved_shrinks",
+                 False),
                 # the Gluon GEMM's LoRA operands in two buffers, against one (v33)
                 ("graphed_two_lora_buffers_over_one", "fused", "fused_one_lora_buffer", False),
                 # the default's programmatic dependent launch against the other choice (v27)

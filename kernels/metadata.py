@@ -88,6 +88,11 @@ class KernelConfig:
     # pipeline stages of a shrink that draws no mask (dS; S where no adapter has dropout): 10%
     # faster than 3 at 16384 tokens, the same at 2048; with the mask, 4 gained nothing (v20)
     shrink_stages_no_dropout: int = 4
+    # where the layout has too few tiles to give every SM a shrink program, split K between
+    # programs (`shrink_k_splits`) rather than cut rows below the rank block, each split keeping
+    # at least `shrink_split_min_steps` K steps
+    shrink_split_k: bool = True
+    shrink_split_min_steps: int = 4
     # row reductions: dA = dS^T dropout(x) (reduce_*) and dB = scale dY^T S (db_*)
     reduce_block_m: int = 64  # rows per step
     reduce_block_n: int = 64
@@ -218,9 +223,9 @@ def shrink_stage_bytes(device: torch.device) -> int:
 
 
 def shrink_blocks(n_tiles: int, n_rank_blocks: int, block_r: int, config: KernelConfig, n_sms: int,
-                  stage_bytes: int) -> tuple[int, int]:
+                  stage_bytes: int, min_rows: int = 16) -> tuple[int, int]:
     """(rows, K step) of one shrink program, for a layout of `n_tiles` tiles of `config.block_m`
-    rows and `n_rank_blocks` rank blocks of `block_r` columns.
+    rows and `n_rank_blocks` rank blocks of `block_r` columns, rows halved down to `min_rows`.
 
     The shrink streams x (or dY) once, one row block per program, and its programs are
     otherwise independent. With few tiles (2048 tokens: 16 tiles of 128 rows, so 32 programs
@@ -230,13 +235,46 @@ def shrink_blocks(n_tiles: int, n_rank_blocks: int, block_r: int, config: Kernel
     fit in `stage_bytes` (`shrink_stage_bytes`): each program still has as many bytes in
     flight per step. Measured on an H100 (KERNELS_NOTES v10): at 2048 tokens, 4 adapters of
     rank 16, the forward shrink took 0.036 ms against 0.112 with 64-row programs.
+
+    Where K may be split instead (`shrink_k_splits`), the rows stop halving at the rank block:
+    `split_min_rows`.
     """
     bm, bk = config.shrink_block_m, config.shrink_block_k
-    while bm > 16 and n_tiles * (config.block_m // bm) * n_rank_blocks < n_sms:
+    while bm > min_rows and n_tiles * (config.block_m // bm) * n_rank_blocks < n_sms:
         bm //= 2
         if (bm + block_r) * (2 * bk) * 2 * config.shrink_stages <= stage_bytes:
             bk *= 2
     return bm, bk
+
+
+def split_min_rows(config: KernelConfig, block_r: int) -> int:
+    """The fewest rows of a shrink program that draws no dropout mask (`shrink_blocks`): with K
+    split over programs (`shrink_split_k`), the rank block, up to `config.shrink_block_m`, since
+    a program of fewer rows reads more bytes of its adapter than of x; else 16."""
+    return max(16, min(config.shrink_block_m, block_r)) if config.shrink_split_k else 16
+
+
+def shrink_k_splits(n_programs: int, K: int, block_k: int, config: KernelConfig, n_sms: int) -> int:
+    """Programs per shrink output block, each over a part of K, for a launch of `n_programs`
+    output blocks with rows (`shrink_blocks`' rows) over K columns in steps of `block_k`.
+
+    At 2048 tokens, 4 adapters of rank 64 make 16 tiles: 32 programs of 64 rows on a GPU of
+    132 SMs. Halving the rows to 16 fills the SMs, but each program then reads its adapter's
+    whole [64, K] block for 16 rows of x or dY: the dS shrink at 3584 -> 18944 streamed dY at
+    1.3 TB/s (KERNELS_NOTES v20). Splitting K instead keeps one adapter byte per byte of x:
+    the splits double while the launch still has at most a program per SM and each split
+    keeps `config.shrink_split_min_steps` K steps. Their fp32 partials cost 4 x rank bytes per
+    row per split, against 2 x K bytes per row of x.
+
+    The forward shrink that draws the dropout mask is not split: its draw runs slower on
+    taller row blocks (v20: 0.102 ms on 64 rows against 0.033 on 16 at 2048 x 3584 x 4 r64),
+    and with the splits the layer lost up to 8% with dropout (v34).
+    """
+    splits = 1
+    if config.shrink_split_k:
+        while n_programs * splits * 2 <= n_sms and K >= splits * 2 * config.shrink_split_min_steps * block_k:
+            splits *= 2
+    return splits
 
 
 def reduce_chunk_rows(seg_lens: Sequence[int], has_lora: Sequence[bool], programs_per_chunk: int,
@@ -386,8 +424,12 @@ class LoRABatchMeta:
     rank_stride: int  # row stride of S / dS ([tokens, rank_stride] in x's dtype)
     block_r: int  # shrink / reduce output rank block
     block_r_expand: int  # expand rank-loop step
-    shrink_block_m: int  # rows of one shrink program (`shrink_blocks`)
-    shrink_block_k: int  # K step of the shrink
+    shrink_block_m: int  # rows of one program of a shrink that draws no dropout mask (`shrink_blocks`)
+    shrink_block_k: int  # its K step
+    shrink_programs: int  # its programs with rows and ranks to shrink, K whole (`k_splits`)
+    mask_shrink_block_m: int  # rows of one program of the shrink that draws the mask, K never split
+    mask_shrink_block_k: int  # its K step
+    sm_count: int  # SMs of the device, for the shrink's splits of K (`shrink_k_splits`)
     has_dropout: bool
     ranks: tuple[int, ...]
     r_total: int  # rows of the packed adapters: sum of the ranks of adapters with rows
@@ -397,6 +439,11 @@ class LoRABatchMeta:
     def args(self) -> tuple:
         """Tile-routed kernels' table arguments, in kernel order."""
         return (self.tiles, self.adapters_i, self.adapters_f, self.seeds)
+
+    def k_splits(self, K: int) -> int:
+        """Programs per output block of a shrink over K columns that draws no dropout mask
+        (`shrink_k_splits`)."""
+        return shrink_k_splits(self.shrink_programs, K, self.shrink_block_k, self.config, self.sm_count)
 
     def block_args(self) -> tuple:
         """The base GEMM's table arguments (row blocks, then their tiles), in kernel order."""
@@ -453,10 +500,14 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
         db_programs = math.prod(reduce_grid(config, out_features, max_rank, block_r, out_is_b=True))
     has_lora = tuple(r > 0 for r in ranks)
     chunk_rows = reduce_chunk_rows(seg_lens, has_lora, max(da_programs, db_programs), config, sm_count(device))
-    tiles, block_tiles, chunks, chunk_first, chunk_count = _routing_tables(seg_lens, has_lora, bm, chunk_rows,
-                                                                          device)
-    shrink_m, shrink_k = shrink_blocks(tiles.shape[0], cdiv(max_rank, block_r), block_r, config, sm_count(device),
-                                       shrink_stage_bytes(device))
+    tiles, block_tiles, chunks, chunk_first, chunk_count, tile_rows = _routing_tables(seg_lens, has_lora, bm,
+                                                                                     chunk_rows, device)
+    n_sms, stage_bytes, n_rank_blocks = sm_count(device), shrink_stage_bytes(device), cdiv(max_rank, block_r)
+    mask_m, mask_k = shrink_blocks(tiles.shape[0], n_rank_blocks, block_r, config, n_sms, stage_bytes)
+    shrink_m, shrink_k = shrink_blocks(tiles.shape[0], n_rank_blocks, block_r, config, n_sms, stage_bytes,
+                                       split_min_rows(config, block_r))
+    # programs that shrink something: past a segment's rows or an adapter's rank they return at once
+    shrink_programs = sum(cdiv(rows, shrink_m) * cdiv(ranks[i], block_r) for i, rows in tile_rows)
 
     rows_i, rows_f = [], []
     start = r_offset = 0
@@ -486,6 +537,10 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
         block_r_expand=block_r_expand,
         shrink_block_m=shrink_m,
         shrink_block_k=shrink_k,
+        shrink_programs=shrink_programs,
+        mask_shrink_block_m=mask_m,
+        mask_shrink_block_k=mask_k,
+        sm_count=n_sms,
         has_dropout=any(r > 0 and p > 0 for r, p in zip(ranks, dropout_p)),
         ranks=ranks,
         r_total=r_offset,
@@ -510,7 +565,8 @@ def _routing_tables(seg_lens: tuple, has_lora: tuple, block_m: int, chunk_rows: 
     """Tile, row-block and chunk tables of a segment layout. Every layer of a microbatch
     shares them, so they are built and copied to the device once per layout (they hold no
     adapter pointers). Tiles are cut at adapters' first rows and at multiples of `block_m`,
-    so each lies in one row block, and the row blocks' tiles are runs of the tile table."""
+    so each lies in one row block, and the row blocks' tiles are runs of the tile table. Also
+    each tile's (adapter, rows), on the host."""
     tiles, chunks, first, count = [], [], [], []
     start = 0
     for i, (rows, lora) in enumerate(zip(seg_lens, has_lora)):
@@ -526,4 +582,5 @@ def _routing_tables(seg_lens: tuple, has_lora: tuple, block_m: int, chunk_rows: 
     block_tiles = [t for t, (_, r0, _) in enumerate(tiles) if r0 % block_m == 0] + [len(tiles)]
     return (device_table(tiles, len(TILE_COLS), torch.int64, device),
             device_table(block_tiles, 1, torch.int64, device).reshape(-1),
-            device_table(chunks, len(TILE_COLS), torch.int64, device), tuple(first), tuple(count))
+            device_table(chunks, len(TILE_COLS), torch.int64, device), tuple(first), tuple(count),
+            tuple((i, r1 - r0) for i, r0, r1 in tiles))

@@ -11,6 +11,13 @@ Backward, dS = scale_i * dY @ B_i ([tokens, rank]). Both read the big operand (x
 once when the pack's largest rank fits one rank block (<= 128); the MMAs use the big
 operand's dtype (bf16 on GPU) with fp32 accumulation; S / dS are stored in that dtype too,
 since every MMA that reads them takes that dtype anyway.
+
+Where the layout has few tiles (a few thousand tokens), the programs of one output block of
+a shrink that draws no mask may split K between them (`metadata.shrink_k_splits`): each
+writes an fp32 partial and a second, small launch adds the partials up in split order, so
+the result does not depend on which program finished first. Otherwise a program of a
+rank-64 adapter would be cut to 16 rows to give every SM work, and read four bytes of its
+adapter (from L2) for each byte of x or dY.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ def _shrink_kernel(
     x_ptr,  # [M, K] rows: x (forward) or dY (backward)
     lora_ptr,  # [R_total, K] packed adapters in x's dtype: A (forward) or B^T (backward); adapter i at row r_offset_i
     out_ptr,  # [M, rank_stride] in x's dtype: S or dS
+    part_ptr,  # fp32 [SPLIT_K, M, rank_stride]: each split's partial (written only if SPLIT_K > 1)
     mask_ptr,  # uint8 [M, n_groups]: the keep-mask's nibbles, written where dropout applies (S only)
     tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
     adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
@@ -40,10 +48,12 @@ def _shrink_kernel(
     seeds_ptr,  # int64 [n_adapters]: this layer's dropout seeds
     # sizes
     K,
+    k_per_split,  # columns of K per split, a multiple of BLOCK_K
     n_groups,
     # strides
     stride_xm,
     stride_om,
+    stride_part,  # elements between two splits' partials
     # meta-parameters
     APPLY_SCALE: tl.constexpr,  # multiply by the adapter's scale (dS)
     HAS_DROPOUT: tl.constexpr,  # some adapter has p > 0: draw the mask on x (S)
@@ -54,12 +64,14 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,  # rank columns per program; grid axis 2 covers the largest rank
     FIT_RANK_BLOCK: tl.constexpr,  # each adapter's program takes the smallest rank block holding its rank
     BLOCK_K: tl.constexpr,  # reduction step over K
+    SPLIT_K: tl.constexpr,  # programs per output block, each over k_per_split columns of K
     PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
     wait_for_previous_kernel(PDL)  # it packed the adapters, or wrote dY
-    let_next_kernel_start(PDL)  # the fused GEMM reads S only once its K loop is done
+    let_next_kernel_start(PDL)  # the fused GEMM (or the splits' sum) reads S only once its K loop is done
     adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
-    row_start += tl.program_id(1) * BLOCK_M  # this program's sub-tile
+    split = tl.program_id(1) % SPLIT_K
+    row_start += (tl.program_id(1) // SPLIT_K) * BLOCK_M  # this program's sub-tile
     pid_r = tl.program_id(2)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
@@ -72,28 +84,31 @@ def _shrink_kernel(
     for halvings in tl.static_range(RANK_BLOCK_SIZES):
         if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:  # compile-time: smaller blocks do not exist
             if fit == BLOCK_R >> halvings:
-                _shrink_rows(x_ptr, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed,
-                             threshold, r_offset, scale, inv_keep, pid_r, K, n_groups, stride_xm, stride_om,
-                             APPLY_SCALE, HAS_DROPOUT, EVEN_K, BLOCK_M, BLOCK_R >> halvings, BLOCK_K)
+                _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start,
+                             seed, threshold, r_offset, scale, inv_keep, pid_r, split * k_per_split, k_per_split, K,
+                             n_groups, stride_xm, stride_om, split * stride_part, APPLY_SCALE, HAS_DROPOUT, EVEN_K,
+                             BLOCK_M, BLOCK_R >> halvings, BLOCK_K, SPLIT_K)
 
 
 @triton.jit
-def _shrink_rows(x_ptr, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed, threshold,
-                 r_offset, scale, inv_keep, pid_r, K, n_groups, stride_xm, stride_om, APPLY_SCALE: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """One program's rows and rank columns r0 .. r0 + BLOCK_R of S (or dS)."""
+def _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed,
+                 threshold, r_offset, scale, inv_keep, pid_r, k_start, k_per_split, K, n_groups, stride_xm, stride_om,
+                 part_offset, APPLY_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """One program's rows and rank columns r0 .. r0 + BLOCK_R of S (or dS), over K's columns
+    k_start .. k_start + k_per_split: the whole of K, or one split's partial."""
     offs_m = row_start + tl.arange(0, BLOCK_M)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < row_end
     r_mask = offs_r < rank
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    l_ptrs = lora_ptr + (r_offset + offs_r)[None, :] * K + offs_k[:, None]  # (k, r) tile of the adapter's rows
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
+    # (k, r) tile of the adapter's rows
+    l_ptrs = lora_ptr + (r_offset + offs_r)[None, :] * K + (k_start + offs_k)[:, None]
     seg_rows = (offs_m - seg_start).to(tl.int64)  # rows within the adapter's segment: dropout counters
 
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             lt = tl.load(l_ptrs, mask=r_mask[None, :], other=0.0)
@@ -115,8 +130,58 @@ def _shrink_rows(x_ptr, lora_ptr, out_ptr, mask_ptr, row_start, row_end, r0, ran
         acc = acc * inv_keep  # 1 / (1 - p); 1 for p == 0
     if APPLY_SCALE:
         acc = acc * scale
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
+    rows_cols = offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :]
+    if SPLIT_K > 1:  # the sum kernel adds the splits up and stores S
+        tl.store(part_ptr + part_offset + rows_cols, acc, mask=m_mask[:, None] & r_mask[None, :])
+    else:
+        tl.store(out_ptr + rows_cols, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(
+    part_ptr,  # fp32 [SPLIT_K, M, rank_stride]: the splits' partials
+    out_ptr,  # [M, rank_stride] in x's dtype: S or dS
+    tiles_ptr,  # int64 [n_tiles, 3]: adapter, row_start, row_end
+    adapters_i_ptr,  # int64 [n_adapters, N_INT_COLS]
+    adapters_f_ptr,  # fp32 [n_adapters, N_FLOAT_COLS]
+    seeds_ptr,  # int64 [n_adapters]
+    stride_om,
+    stride_part,  # elements between two splits' partials
+    N_INT_COLS: tl.constexpr,
+    N_FLOAT_COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # the shrink's blocks and grid, without its splits
+    BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """S (or dS) of one shrink output block: its SPLIT_K partials added in split order, so
+    that the sum is the same whichever split finished first; the block's elements are those
+    the shrink wrote (rows in the tile, columns below the adapter's rank)."""
+    wait_for_previous_kernel(PDL)  # the shrink wrote the partials
+    let_next_kernel_start(PDL)
+    adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
+    row_start += tl.program_id(1) * BLOCK_M
+    rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
+        adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
+    r0 = tl.program_id(2) * BLOCK_R
+    if r0 >= rank or row_start >= row_end:
+        return
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    mask = (offs_m < row_end)[:, None] & (offs_r < rank)[None, :]
+    rows_cols = offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + split * stride_part + rows_cols, mask=mask, other=0.0)
+    tl.store(out_ptr + rows_cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def shrink_launch(meta: LoRABatchMeta, K: int, draws_mask: bool) -> tuple[int, int, int]:
+    """(rows, K step, splits of K) of the programs of a shrink over K columns in `meta`'s
+    layout. The shrink that draws the dropout mask keeps K whole (`metadata.shrink_k_splits`)."""
+    if draws_mask:
+        return meta.mask_shrink_block_m, meta.mask_shrink_block_k, 1
+    return meta.shrink_block_m, meta.shrink_block_k, meta.k_splits(K)
 
 
 def lora_shrink(
@@ -127,6 +192,7 @@ def lora_shrink(
     apply_scale: bool,
     dropout: bool,
     mask_nibbles: Optional[torch.Tensor] = None,  # uint8 [M, ceil(K / 4)] (`empty_mask_nibbles`): the mask kept
+    k_splits: Optional[int] = None,  # programs per output block over K; None: `shrink_launch`'s
 ) -> torch.Tensor:
     """Launch the shrink over every tile of `meta`; rows of adapters without LoRA are left unwritten.
     With `dropout`, the rows of adapters with p > 0 also get their keep-mask in `mask_nibbles`."""
@@ -136,30 +202,34 @@ def lora_shrink(
     if has_dropout:
         assert mask_nibbles is not None and mask_nibbles.shape == (x.shape[0], cdiv(x.shape[1], 4))
     cfg = meta.config
-    split_m = cfg.block_m // meta.shrink_block_m  # smaller row blocks: more programs in flight
-    grid = (meta.n_tiles, split_m, cdiv(meta.max_rank, meta.block_r))
+    M, K = x.shape
+    bm, bk, chosen_splits = shrink_launch(meta, K, has_dropout)
+    k_splits = chosen_splits if k_splits is None else k_splits
+    grid = (meta.n_tiles, cfg.block_m // bm, cdiv(meta.max_rank, meta.block_r))  # sub-tiles: more programs in flight
     if grid[0] == 0 or grid[2] == 0:
         return out
-    K = x.shape[1]
-    _shrink_kernel[grid](
-        x, lora_pack, out, mask_nibbles if has_dropout else out, *meta.args(),
-        K, cdiv(K, 4),
-        x.stride(0), out.stride(0),
+    k_per_split = cdiv(cdiv(K, k_splits), bk) * bk
+    k_splits = cdiv(K, k_per_split)  # a split of no columns would leave its partial unwritten
+    part = out if k_splits == 1 else torch.empty(k_splits, M, out.shape[1], device=x.device, dtype=torch.float32)
+    common = dict(N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=bm,
+                  BLOCK_R=meta.block_r, PDL=cfg.pdl, launch_pdl=cfg.pdl, **LAUNCH_OPTIONS)
+    _shrink_kernel[(grid[0], grid[1] * k_splits, grid[2])](
+        x, lora_pack, out, part, mask_nibbles if has_dropout else out, *meta.args(),
+        K, k_per_split, cdiv(K, 4),
+        x.stride(0), out.stride(0), M * out.shape[1],
         APPLY_SCALE=apply_scale,
         HAS_DROPOUT=has_dropout,
-        EVEN_K=K % meta.shrink_block_k == 0,
-        N_INT_COLS=len(ADAPTER_INT_COLS),
-        N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
-        BLOCK_M=meta.shrink_block_m,
-        BLOCK_R=meta.block_r,
+        EVEN_K=K % bk == 0,
         FIT_RANK_BLOCK=cfg.fit_rank_block,
-        BLOCK_K=meta.shrink_block_k,
-        PDL=cfg.pdl,
+        BLOCK_K=bk,
+        SPLIT_K=k_splits,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.shrink_stages if has_dropout else cfg.shrink_stages_no_dropout,
-        launch_pdl=cfg.pdl,
-        **LAUNCH_OPTIONS,
+        **common,
     )
+    if k_splits > 1:
+        _split_sum_kernel[grid](part, out, *meta.args(), out.stride(0), M * out.shape[1], SPLIT_K=k_splits,
+                                num_warps=4, **common)
     return out
 
 

@@ -155,6 +155,21 @@ def test_short_chunks_bf16_against_float64(seg_lens, ranks, stages):
     _check_layer_against_float64(seg_lens, ranks, 1024, 2048, config, "mixed")
 
 
+# 2048 tokens of four rank-64 adapters: the shrinks that draw no dropout mask split K over
+# programs (`metadata.shrink_k_splits`), both of them without dropout, dS alone with it
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_shrinks_split_over_k_bf16_against_float64(p):
+    from lora_sweep.kernels import metadata
+
+    seg_lens, ranks = [512] * 4, [64] * 4
+    config = metadata.config_for(max(ranks), True, True)
+    meta = metadata.LoRABatchMeta.build(seg_lens, [torch.empty(r, 1024) for r in ranks],
+                                        [torch.empty(2048, r) for r in ranks], [1.0] * 4, [p] * 4,
+                                        list(range(4)), 1024, 2048, torch.device("cuda"), config)
+    assert meta.k_splits(1024) > 1 and meta.k_splits(2048) > 1
+    _check_layer_against_float64(seg_lens, ranks, 1024, 2048, config, p)
+
+
 # fp16 models (`JobSpec.dtype="float16"`): the call's own config for 16-bit inputs (on Hopper the
 # fused GEMM, in Gluon where it runs), and the Triton GEMM
 @pytest.mark.parametrize("gluon", ["default", "never"])

@@ -40,6 +40,8 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     reduce_chunk_rows,
     reduction_stages,
     shrink_blocks,
+    shrink_k_splits,
+    split_min_rows,
 )
 from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters  # noqa: E402
 from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
@@ -52,9 +54,10 @@ CONFIGS = {
     "cublas_base": dataclasses.replace(INTERPRET_CONFIG, fused_base=False),
     "fused_y_only": dataclasses.replace(INTERPRET_CONFIG, fuse_dx=False),  # dX: cuBLAS + the in-place add
     # 32-row tiles; the shrink runs one 32-row program per tile, or two 16-row programs with a
-    # doubled K step where the layout has few tiles (`shrink_blocks`); 64-row chunks sum partials
-    # of several tiles
-    "split_chunks": dataclasses.replace(INTERPRET_CONFIG, block_m=32, shrink_block_m=32, chunk_rows=64),
+    # doubled K step where the layout has few tiles (`shrink_blocks`, K not split); 64-row chunks
+    # sum partials of several tiles
+    "split_chunks": dataclasses.replace(INTERPRET_CONFIG, block_m=32, shrink_block_m=32, chunk_rows=64,
+                                        shrink_split_k=False),
     # every adapter in one chunk: the reduction writes the gradients directly (the chunks stay
     # whole even where that leaves the interpreter's 4 "SMs" idle, `reduce_chunk_rows`)
     "direct": dataclasses.replace(INTERPRET_CONFIG, chunk_rows=4096, chunks_fill_sms=False),
@@ -74,6 +77,9 @@ CONFIGS = {
     "reduce_by_pointers": dataclasses.replace(INTERPRET_CONFIG, reduce_tma=False, reduce_rank_fastest=False),
     # the fused GEMM's dX runs one program per tile (the others: persistent, as its Y)
     "per_tile_dx": dataclasses.replace(INTERPRET_CONFIG, gemm_persistent_dx=False),
+    # the shrinks split K over programs even where a split has one K step (the others keep four,
+    # which the small widths here never leave room for: `shrink_k_splits`)
+    "split_k": dataclasses.replace(INTERPRET_CONFIG, shrink_split_min_steps=1),
 }
 
 
@@ -278,8 +284,9 @@ def test_shrink_programs_shrink_where_the_layout_has_few_tiles():
     assert shrink_blocks(16, 1, 16, cfg, 132, h100) == (16, 256)
     # 16384 tokens: 128 tiles already give 256 programs of 64 rows
     assert shrink_blocks(128, 1, 16, cfg, 132, h100) == (64, 64)
-    # rank blocks of 128 columns: the K step stops growing where the buffers would not fit
-    cfg128 = config_for(128, True, True)
+    # rank blocks of 128 columns, rows halved (K not split): the K step stops growing where the
+    # buffers would not fit
+    cfg128 = dataclasses.replace(config_for(128, True, True), shrink_split_k=False)
     for stage_bytes in (h100, 96 * 1024):
         bm, bk = shrink_blocks(16, 1, 128, cfg128, 132, stage_bytes)
         assert bm == 16 and (bm + 128) * bk * 2 * cfg128.shrink_stages <= stage_bytes
@@ -287,6 +294,75 @@ def test_shrink_programs_shrink_where_the_layout_has_few_tiles():
     case = random_case(2, 5, max_rows=24)
     meta = _meta(case, CONFIGS["split_chunks"])  # 2 tiles at most, 4 "SMs" on the interpreter
     assert (meta.shrink_block_m, meta.shrink_block_k) == (16, 2 * CONFIGS["split_chunks"].shrink_block_k)
+
+
+def test_shrinks_split_k_rather_than_cut_rows_below_the_rank_block():
+    cfg = config_for(64, True, True)  # rank blocks of 64, 64-row shrink programs at most
+    h100 = 232448 * 2 // 3
+    # 2048 tokens, 4 adapters r64 (16 tiles): rows stop at 64, and K splits four ways to fill 132 SMs
+    assert split_min_rows(cfg, 64) == 64
+    assert shrink_blocks(16, 1, 64, cfg, 132, h100, split_min_rows(cfg, 64)) == (64, 64)
+    assert shrink_k_splits(16 * 2, 14336, 64, cfg, 132) == 4
+    assert shrink_k_splits(16 * 2, 512, 64, cfg, 132) == 2  # each split keeps four K steps
+    assert shrink_k_splits(128 * 2, 4096, 64, cfg, 132) == 1  # 16384 tokens: the tiles fill the SMs
+    # without splits, and for the shrink that draws the mask, rows halve to 16 as before
+    no_split = dataclasses.replace(cfg, shrink_split_k=False)
+    assert split_min_rows(no_split, 64) == 16
+    assert shrink_blocks(16, 1, 64, cfg, 132, h100)[0] == 16
+    assert shrink_k_splits(16 * 2, 14336, 64, no_split, 132) == 1
+    # rank 16: 16-row programs read no more of their adapter than of x; they fill the SMs unsplit
+    cfg16 = config_for(16, True, True)
+    assert shrink_blocks(16, 1, 16, cfg16, 132, h100, split_min_rows(cfg16, 16)) == (16, 256)
+    assert shrink_k_splits(16 * 8, 4096, 256, cfg16, 132) == 1
+
+
+def test_shrink_splits_count_the_programs_with_rows():
+    # 2048 tokens of 32 adapters r64: 32 tiles of 64 rows, whose second 64-row sub-tile of the
+    # 128-row tile is empty; 32 programs with rows, so K splits four ways on 132 SMs
+    cfg = config_for(64, True, True)
+    ranks = [64] * 32
+    a = [torch.empty(64, 4096)] * 32
+    meta = LoRABatchMeta.build([64] * 32, a, [torch.empty(4096, 64)] * 32, [1.0] * 32, [0.0] * 32,
+                               list(range(32)), 4096, 4096, torch.device("cpu"), cfg)
+    assert (meta.n_tiles, meta.shrink_block_m, meta.shrink_programs) == (32, 64, 32) and meta.ranks == tuple(ranks)
+    meta = dataclasses.replace(meta, sm_count=132)  # as on an H100 (the interpreter counts 4)
+    assert meta.k_splits(4096) == 4
+
+
+@pytest.mark.parametrize("k_splits", [2, 3])
+def test_shrink_split_over_k_equals_whole_k(k_splits):
+    # K of 100 and 136 in steps of 32: the last split is shorter than the others and ends mid-step
+    case = random_case(5, 41, in_f=100, out_f=136)
+    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
+    x = x.detach()
+    meta = _meta(case, CONFIGS["fused"])
+    assert meta.has_dropout
+    a_pack, bt_pack = pack_adapters(*_adapters_with_rows(lora_a, lora_b, meta), x.dtype)
+    dy = torch.randn(x.shape[0], weight.shape[0])
+    for u, lora_pack, kw in ((x, a_pack, dict(apply_scale=False, dropout=True)),
+                             (dy, bt_pack, dict(apply_scale=True, dropout=False))):
+        outs, masks = [], []
+        for splits in (1, k_splits):
+            out = torch.full((x.shape[0], meta.rank_stride), float("nan"))  # what is not written stays NaN
+            mask = empty_mask_nibbles(x.shape[0], x.shape[1], x.device) if kw["dropout"] else None
+            if mask is not None:
+                mask.fill_(0xFF)
+            lora_shrink(u, lora_pack, out, meta, mask_nibbles=mask, k_splits=splits, **kw)
+            outs.append(out)
+            masks.append(mask)
+        assert outs[0].isnan().any() and not outs[0].isnan().all()
+        assert torch.equal(outs[0].isnan(), outs[1].isnan())  # the same elements written
+        assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5, equal_nan=True)
+        if masks[0] is not None:  # every split draws and stores the mask of its own columns
+            assert torch.equal(masks[0], masks[1])
+
+
+def test_matches_reference_with_the_shrinks_split_over_k():
+    case = random_case(1, 5, in_f=100, out_f=136)
+    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
+    meta = _meta(case, CONFIGS["split_k"])
+    assert meta.k_splits(100) > 1 and meta.k_splits(136) > 1  # both shrinks split, on the interpreter's 4 "SMs"
+    check_against_reference(case, CONFIGS["split_k"])
 
 
 def test_reduction_chunks_shrink_until_every_sm_has_a_program():

@@ -68,7 +68,7 @@ def _shrink_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
     wait_for_previous_kernel(PDL)  # it packed the adapters, or wrote dY
-    let_next_kernel_start(PDL)  # the fused GEMM (or the splits' sum) reads S only once its K loop is done
+    let_next_kernel_start(PDL)  # the fused GEMM reads S only once its K loop is done; a splits' sum waits
     adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
     split = tl.program_id(1) % SPLIT_K
     row_start += (tl.program_id(1) // SPLIT_K) * BLOCK_M  # this program's sub-tile

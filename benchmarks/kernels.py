@@ -169,11 +169,10 @@ def pack_meta(p, config):
                                         p["seed"], p["weight"].shape[1], p["weight"].shape[0], p["x"].device, config)
 
 
-def takes_col_groups(meta, out_f, device):
+def takes_col_groups(meta, out_f):
     """Whether the one pass over dY of `meta`'s layout runs programs of several column blocks
     (`ds_db.ds_db_col_group`: where every chunk is one row step)."""
-    n_col_blocks = meta_mod.cdiv(out_f, meta.config.ds_db_block_n)
-    return ds_db.ds_db_col_group(meta, n_col_blocks, meta_mod.sm_count(device)) > 1
+    return ds_db.ds_db_col_group(meta, meta_mod.cdiv(out_f, meta.config.ds_db_block_n)) > 1
 
 
 def shrinks_change(p, config, other):
@@ -582,7 +581,7 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     # the shrinks' rows halved below the rank block instead of K split, as until v34
                     graphed["fused_rows_halved_shrinks"] = (lambda q: m_fused(q, rows_halved), p)
                     graphed["fused_dropout_rows_halved_shrinks"] = (lambda q: m_fused(q, rows_halved), pd)
-                if default.one_pass_dy and takes_col_groups(pack_meta(p, default), out_f, device):
+                if default.one_pass_dy and takes_col_groups(pack_meta(p, default), out_f):
                     # one column block a program of the pass over dY, as until v33
                     col_blocks = dataclasses.replace(default, ds_db_col_group=1)
                     graphed["fused_one_col_block"] = (lambda q: m_fused(q, col_blocks), p)
@@ -1269,9 +1268,7 @@ def section_blocks(res, device, packs=None):
         no_dropout = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], [0.0] * n, p["seed"],
                                          in_f, out_f, device, cfg)
         fits_differ = rank_blocks_differ(ranks)
-        rows_halved = LoRABatchMeta.build(p["seg_lens"], p["lora_a"], p["lora_b"], p["scales"], p["dropout_p"],
-                                          p["seed"], in_f, out_f, device,
-                                          dataclasses.replace(cfg, shrink_split_k=False))
+        rows_halved = pack_meta(p, dataclasses.replace(cfg, shrink_split_k=False))
         one_block = dataclasses.replace(meta, config=dataclasses.replace(cfg, fit_rank_block=False))
         # the per-call packing of the fp32 adapters into bf16 A and B^T: one launch, beside v19's
         # two (A by torch, B^T by the kernel) and torch's (cat, cast, transposing copy)
@@ -1385,7 +1382,7 @@ def section_blocks(res, device, packs=None):
                 row[f"dSdB_one_pass_{bn}n_w{warps}"] = blocks_entry(ms, dy_bytes)
             except Exception as e:  # a variant that does not fit (shared memory at large ranks) is recorded
                 row[f"dSdB_one_pass_{bn}n_w{warps}"] = f"{type(e).__name__}: {e}"[:200]
-        if takes_col_groups(meta, out_f, device):  # the default's groups of column blocks, against one (v33)
+        if takes_col_groups(meta, out_f):  # the default's groups of column blocks, against one (v33)
             m = dataclasses.replace(meta, config=dataclasses.replace(cfg, ds_db_col_group=1))
             ms = gpu_ms(lambda: lora_ds_db(dy, s, bt_pack, ds, db, m))
             row["dSdB_one_pass_one_col_block"] = blocks_entry(ms, dy_bytes)

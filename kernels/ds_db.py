@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ._triton_common import let_next_kernel_start, load_adapter, load_row_block, wait_for_previous_kernel
 from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, reduction_stages,
-                       sm_count, takes_one_pass)
+                       takes_one_pass)
 from .row_reduce import _store_chunk_sum, chunk_sum, lora_row_reduce
 from .shrink import lora_shrink
 
@@ -146,14 +146,14 @@ def _ds_sum_kernel(
     tl.store(out_ptrs, (acc * scale).to(ds_ptr.dtype.element_ty), mask=mask)
 
 
-def ds_db_col_group(meta: LoRABatchMeta, n_col_blocks: int, n_sms: int) -> int:
+def ds_db_col_group(meta: LoRABatchMeta, n_col_blocks: int) -> int:
     """Column blocks per program of the one pass over dY: `config.ds_db_col_group` where every
     chunk is one row step (32 adapters of 64 rows at 2048 tokens), halved while the grid would
-    leave SMs without a program; else 1. Each program then writes one dS partial for its
+    leave some of the device's `meta.sm_count` SMs without a program; else 1. Each program then writes one dS partial for its
     group instead of one per column block, and the dS sum adds that many fewer."""
     cfg = meta.config
     group = cfg.ds_db_col_group if meta.longest_chunk <= cfg.db_block_m else 1
-    while group > 1 and meta.n_chunks * cdiv(n_col_blocks, group) < n_sms:
+    while group > 1 and meta.n_chunks * cdiv(n_col_blocks, group) < meta.sm_count:
         group //= 2
     return max(1, min(group, n_col_blocks))
 
@@ -177,7 +177,7 @@ def lora_ds_db(
     if meta.n_chunks == 0:
         return
     n_col_blocks = cdiv(N, cfg.ds_db_block_n)
-    col_group = ds_db_col_group(meta, n_col_blocks, sm_count(dy.device))
+    col_group = ds_db_col_group(meta, n_col_blocks)
     n_parts = cdiv(n_col_blocks, col_group)  # dS partials: one per program of a chunk
     direct = meta.max_chunks_per_adapter <= 1
     common = dict(N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_R=meta.block_r)

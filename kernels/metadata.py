@@ -429,7 +429,7 @@ class LoRABatchMeta:
     shrink_programs: int  # its programs with rows and ranks to shrink, K whole (`k_splits`)
     mask_shrink_block_m: int  # rows of one program of the shrink that draws the mask, K never split
     mask_shrink_block_k: int  # its K step
-    sm_count: int  # SMs of the device, for the shrink's splits of K (`shrink_k_splits`)
+    sm_count: int  # SMs of the device: the shrink's splits of K (`shrink_k_splits`), the pass over dY's column groups
     has_dropout: bool
     ranks: tuple[int, ...]
     r_total: int  # rows of the packed adapters: sum of the ranks of adapters with rows
@@ -499,10 +499,11 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
     else:
         db_programs = math.prod(reduce_grid(config, out_features, max_rank, block_r, out_is_b=True))
     has_lora = tuple(r > 0 for r in ranks)
-    chunk_rows = reduce_chunk_rows(seg_lens, has_lora, max(da_programs, db_programs), config, sm_count(device))
+    n_sms = sm_count(device)
+    chunk_rows = reduce_chunk_rows(seg_lens, has_lora, max(da_programs, db_programs), config, n_sms)
     tiles, block_tiles, chunks, chunk_first, chunk_count, tile_rows = _routing_tables(seg_lens, has_lora, bm,
                                                                                      chunk_rows, device)
-    n_sms, stage_bytes, n_rank_blocks = sm_count(device), shrink_stage_bytes(device), cdiv(max_rank, block_r)
+    stage_bytes, n_rank_blocks = shrink_stage_bytes(device), cdiv(max_rank, block_r)
     mask_m, mask_k = shrink_blocks(tiles.shape[0], n_rank_blocks, block_r, config, n_sms, stage_bytes)
     shrink_m, shrink_k = shrink_blocks(tiles.shape[0], n_rank_blocks, block_r, config, n_sms, stage_bytes,
                                        split_min_rows(config, block_r))

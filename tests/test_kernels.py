@@ -214,7 +214,7 @@ def test_one_pass_over_dy_in_column_groups_matches_reference(out_f):
     case = random_case(9, 8, out_f=out_f, max_rows=INTERPRET_CONFIG.db_block_m)
     meta = _meta(case, INTERPRET_CONFIG)
     n_col_blocks = -(-out_f // INTERPRET_CONFIG.ds_db_block_n)
-    assert ds_db_col_group(meta, n_col_blocks, 4) == min(4, n_col_blocks)
+    assert meta.sm_count == 4 and ds_db_col_group(meta, n_col_blocks) == min(4, n_col_blocks)
     check_against_reference(case, INTERPRET_CONFIG)
 
 

@@ -149,8 +149,9 @@ def _ds_sum_kernel(
 def ds_db_col_group(meta: LoRABatchMeta, n_col_blocks: int) -> int:
     """Column blocks per program of the one pass over dY: `config.ds_db_col_group` where every
     chunk is one row step (32 adapters of 64 rows at 2048 tokens), halved while the grid would
-    leave some of the device's `meta.sm_count` SMs without a program; else 1. Each program then writes one dS partial for its
-    group instead of one per column block, and the dS sum adds that many fewer."""
+    leave some of the device's `meta.sm_count` SMs without a program; else 1. Each program
+    then writes one dS partial for its group instead of one per column block, and the dS sum
+    adds that many fewer."""
     cfg = meta.config
     group = cfg.ds_db_col_group if meta.longest_chunk <= cfg.db_block_m else 1
     while group > 1 and meta.n_chunks * cdiv(n_col_blocks, group) < meta.sm_count:

@@ -276,6 +276,14 @@ def _schedule(forward: bool, n: int, n_pairs: int, cfg: KernelConfig, device: to
     return min(n_pairs, sm_count(device)), n >= cfg.gemm_ws_min_n
 
 
+def takes_gluon(a: torch.Tensor, meta: LoRABatchMeta) -> bool:
+    """Whether the fused path runs the Gluon GEMM (`lora_gemm_gluon.py`) for operand `a`: as
+    `KernelConfig.gluon_gemm` says, for 16-bit operands in 128-row blocks."""
+    cfg = meta.config
+    gluon = cfg.gluon_gemm == "always" or (cfg.gluon_gemm == "in_graphs" and torch.cuda.is_current_stream_capturing())
+    return gluon and a.element_size() == 2 and cfg.block_m == 128
+
+
 def lora_gemm(
     a: torch.Tensor,  # [M, K] contiguous: x or dY
     w: torch.Tensor,  # [N, K] (forward: x @ w^T) or [K, N] (backward: dY @ w)
@@ -312,8 +320,7 @@ def lora_gemm(
         return out
     if not tma_ready(a, w):
         raise ValueError("The fused base GEMM needs TMA-ready operands (see `tma_ready`); use fused_base=False.")
-    gluon = cfg.gluon_gemm == "always" or (cfg.gluon_gemm == "in_graphs" and torch.cuda.is_current_stream_capturing())
-    if gluon and a.element_size() == 2 and cfg.block_m == 128:
+    if takes_gluon(a, meta):
         return lora_gemm_gluon(a, w, bias, s, lora_pack, out, meta, forward, mask if out_dropout else None)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.gemm_block_k])
     w_desc = TensorDescriptor.from_tensor(

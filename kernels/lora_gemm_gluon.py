@@ -56,7 +56,7 @@ from typing import Optional
 import torch
 import triton
 
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, sm_count
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, gemm_programs
 
 try:  # Gluon's Hopper language, where this Triton has it
     from triton.experimental import gluon
@@ -460,6 +460,12 @@ def launch_descriptors(a, w, out, s, pack, forward: bool, block_m: int, r_step: 
             _desc(out, [block_m, TILE_N]), _desc(s, [block_m, r_step]), _desc(pack, [r_step, TILE_N]))
 
 
+def spare_sms(meta: LoRABatchMeta, n_cols: int) -> int:
+    """SMs that the GEMM's grid (`metadata.gemm_programs`) leaves free for its whole run, over an
+    output of `n_cols` columns in `meta`'s layout."""
+    return meta.sm_count - gemm_programs(meta.n_blocks * cdiv(n_cols, TILE_N), meta.sm_count)
+
+
 def lora_gemm_gluon(
     a: torch.Tensor,  # [M, K] contiguous: x or dY
     w: torch.Tensor,  # [N, K] (forward) or [K, N] (backward)
@@ -470,9 +476,11 @@ def lora_gemm_gluon(
     meta: LoRABatchMeta,
     forward: bool,
     mask_nibbles: Optional[torch.Tensor] = None,  # dX with dropout: the forward's keep-mask, uint8 [M, ceil(N / 4)]
+    programs: Optional[int] = None,  # persistent programs; None: `metadata.gemm_programs`
 ) -> torch.Tensor:
     """`lora_gemm`'s fused path on Hopper: 16-bit operands that TMA can describe (`tma_ready`),
-    blocks 128 x 256 x 64, 3 stages, 8 MMA warps and one loading warp, one program per SM."""
+    blocks 128 x 256 x 64, 3 stages, 8 MMA warps and one loading warp, at most one program per
+    SM, as few as finish as soon (`metadata.gemm_programs`)."""
     if gluon is None:
         raise RuntimeError(f"Triton {triton.__version__} has no Gluon language this kernel can use; "
                            "set KernelConfig.gluon_gemm='never' (the default there) to take the Triton GEMM.")
@@ -480,7 +488,7 @@ def lora_gemm_gluon(
     M, K = a.shape
     N = out.shape[1]
     n_pairs = meta.n_blocks * cdiv(N, TILE_N)
-    grid = min(n_pairs, sm_count(a.device))
+    grid = programs or gemm_programs(n_pairs, meta.sm_count)
     r_step = rank_step(meta.max_rank)
     # an empty pack still needs a descriptor: one zero row of the right width, never read
     pack = lora_pack if lora_pack.shape[0] else lora_pack.new_zeros(1, N)

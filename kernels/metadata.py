@@ -93,6 +93,17 @@ class KernelConfig:
     # at least `shrink_split_min_steps` K steps
     shrink_split_k: bool = True
     shrink_split_min_steps: int = 4
+    # a shrink that draws no dropout mask runs beside the fused Gluon GEMM that reads its output,
+    # on the SMs the GEMM's grid leaves spare (`gemm_programs`), where they can stream every
+    # tile within about one tile's K loop of the GEMM (`multi_lora.beside_programs`, at most
+    # `beside_rows` rows of x and adapter a program, or `beside_rows_ds` of dY): the GEMM starts its K loop at once and
+    # waits for S (dS) only before its LoRA steps (`benchmarks/side_sms.py`, KERNELS_NOTES v35)
+    shrink_beside_gemm: bool = True
+    beside_rows: int = 576  # S beside the forward GEMM
+    beside_rows_ds: int = 512  # dS beside dX, where dB then takes a pass over dY of its own
+    beside_block_k: int = 128  # K step of a shrink beside the GEMM, whose programs take whole tiles
+    beside_stages: int = 5  # its pipeline stages at most: as many as fit in shared memory (`beside_stages`)
+    beside_tma: bool = True  # its x (dY) blocks through a TMA descriptor where TMA can describe it
     # row reductions: dA = dS^T dropout(x) (reduce_*) and dB = scale dY^T S (db_*)
     reduce_block_m: int = 64  # rows per step
     reduce_block_n: int = 64
@@ -137,7 +148,7 @@ INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, ge
                                 gemm_stages=1, group_m=2, add_block_n=32, shrink_block_m=16, shrink_block_k=32,
                                 reduce_block_m=16, reduce_block_n=32, reduce_max_block_r=32, db_block_m=16,
                                 db_block_n=16, db_max_block_r=16, chunk_rows=32, chunk_sum_values=256,
-                                one_pass_dy=True, ds_db_block_n=16)
+                                one_pass_dy=True, ds_db_block_n=16, beside_block_k=32)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -213,13 +224,27 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
+def shared_memory_per_program(device: torch.device) -> int:
+    """Shared memory one program may take on `device`; 144 KiB where torch does not say, and
+    on the interpreter."""
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    return getattr(props, "shared_memory_per_block_optin", 0) or 144 * 1024
+
+
 def shrink_stage_bytes(device: torch.device) -> int:
     """Shared memory a shrink program's pipeline buffers may take on `device`: two thirds of
-    what one program may use there (Triton keeps some for itself), 96 KiB where torch does
-    not say, and on the interpreter."""
-    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
-    optin = getattr(props, "shared_memory_per_block_optin", 0)
-    return optin * 2 // 3 if optin else 96 * 1024
+    what one program may use there (Triton keeps some for itself)."""
+    return shared_memory_per_program(device) * 2 // 3
+
+
+def beside_stages(config: KernelConfig, block_r: int, device: torch.device) -> int:
+    """Pipeline stages of a shrink beside the GEMM (`KernelConfig.shrink_beside_gemm`): as many
+    as fit, up to `config.beside_stages`, with 32 KiB left to Triton. Each of its few programs
+    must stream a share of x as fast as one SM can, so it keeps as many bytes in flight as it
+    holds: on an H200, 128 x 128 blocks of x streamed at 81 GB/s a program with 4 stages and
+    93 with 5 (`benchmarks/side_sms.py`)."""
+    stage = (config.block_m + block_r) * config.beside_block_k * 2  # 16-bit x and adapter blocks
+    return max(2, min(config.beside_stages, (shared_memory_per_program(device) - 32 * 1024) // stage))
 
 
 def shrink_blocks(n_tiles: int, n_rank_blocks: int, block_r: int, config: KernelConfig, n_sms: int,
@@ -275,6 +300,18 @@ def shrink_k_splits(n_programs: int, K: int, block_k: int, config: KernelConfig,
         while n_programs * splits * 2 <= n_sms and K >= splits * 2 * config.shrink_split_min_steps * block_k:
             splits *= 2
     return splits
+
+
+def gemm_programs(n_pairs: int, n_sms: int) -> int:
+    """Programs of the persistent fused GEMM over `n_pairs` (row block, column block) pairs:
+    the fewest that give no program more pairs than one program per SM would.
+
+    At 2048 tokens the pairs rarely divide evenly over the SMs: 256 pairs on 132 SMs leave 124
+    programs with two and 8 with one, idle for half the GEMM. 128 programs of two finish as
+    soon, and leave 4 SMs to other work from the start (`KernelConfig.shrink_beside_gemm`);
+    alone, the GEMM took 0.99-1.00x its time on the full grid (H200, `benchmarks/side_sms.py`).
+    """
+    return cdiv(n_pairs, cdiv(n_pairs, n_sms)) if n_pairs else 0
 
 
 def reduce_chunk_rows(seg_lens: Sequence[int], has_lora: Sequence[bool], programs_per_chunk: int,

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .dropout import empty_mask_nibbles
-from .metadata import KernelConfig, LoRABatchMeta, config_for, fuses_base, tma_ready
+from .metadata import KernelConfig, LoRABatchMeta, cdiv, config_for, fuses_base, tma_ready
 from .reference import Seeds, per_adapter_seeds
 
 
@@ -63,13 +63,62 @@ def _check_inputs(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens):
         raise TypeError(f"All adapters must share one dtype, got {sorted(map(str, dtypes))}.")
 
 
+def _fuses_gemm(a, weight, meta, forward) -> bool:
+    """Whether the GEMM of `a` by `weight` is the fused one (else cuBLAS, then the LoRA term
+    added in place): where the config says so and TMA can read the operands."""
+    return meta.config.fused_base and (forward or meta.config.fuse_dx) and tma_ready(a, weight)
+
+
+def beside_programs(meta: LoRABatchMeta, n_cols: int, forward: bool) -> int:
+    """Programs of a shrink beside the Gluon GEMM of `n_cols` output columns in `meta`'s layout
+    (`KernelConfig.shrink_beside_gemm`), S's before Y (`forward`) or dS's before dX, or 0: the
+    SMs the GEMM's grid leaves spare (`lora_gemm_gluon.spare_sms`), where they can shrink
+    every tile within about one tile's K loop of the GEMM, which is when the GEMM's first
+    tiles wait for S (or dS).
+
+    Each of them streams its share of the (tile, rank block) items, a block of block_m rows
+    of x (dY) and one of block_r adapter rows per K step, at about 90 GB/s on an H200; one
+    tile's K loop of the GEMM reads K columns too, at one SM's share of the matmul rate. So
+    whatever K, the items per program times (block_m + block_r) must stay within a budget:
+    `config.beside_rows` for S, 576, about the break-even, and `config.beside_rows_ds` for
+    dS, 512, lower since beside dX the pass over dY that gives dS and dB together (ranks up
+    to 16) gives way to two. On an H200 at 2048 tokens of 4 adapters of rank 16 on 4 spare
+    SMs (576 each), the layer's forward took 3.5 and 10.3 us less (4096 -> 4096 and -> 14336),
+    its backward 4.8 us more and 19 less; at rank 64 (768) 30 and 162 us more (KERNELS_NOTES
+    v35)."""
+    from .lora_gemm_gluon import spare_sms
+
+    cfg = meta.config
+    spare = spare_sms(meta, n_cols)
+    items = meta.n_tiles * cdiv(meta.max_rank, meta.block_r)
+    if not (cfg.shrink_beside_gemm and spare and items):
+        return 0
+    budget = cfg.beside_rows if forward else cfg.beside_rows_ds
+    return spare if cdiv(items, spare) * (cfg.block_m + meta.block_r) <= budget else 0
+
+
+def _shrink_beside(a, weight, meta, forward) -> int:
+    """`beside_programs` for the shrink that writes S (forward) or dS before the GEMM of `a` by
+    `weight`, where that GEMM is the Gluon one and launched with PDL, else 0: the shrink
+    before it, a program per output block. Not with dropout: the forward shrink's mask draw
+    runs at a third of its speed on whole tiles (v20), and dX adds its masked LoRA term
+    before its K loop."""
+    from .lora_gemm import takes_gluon
+
+    cfg = meta.config
+    if not (cfg.shrink_beside_gemm and cfg.pdl and a.is_cuda) or meta.has_dropout:
+        return 0
+    if not (_fuses_gemm(a, weight, meta, forward) and takes_gluon(a, meta)):
+        return 0
+    return beside_programs(meta, weight.shape[0] if forward else weight.shape[1], forward)
+
+
 def _base_plus_lora(a, weight, bias, s, lora_pack, meta, forward, mask_nibbles=None):
     """Y = x W^T + b + LoRA (forward) or dX = dY W + LoRA (backward): the base GEMM fused with
-    the LoRA term where the config says so and TMA can read the operands, else cuBLAS and the
-    LoRA term added in place."""
+    the LoRA term (`_fuses_gemm`), else cuBLAS and the LoRA term added in place."""
     from .lora_gemm import lora_gemm
 
-    fused = meta.config.fused_base and (forward or meta.config.fuse_dx) and tma_ready(a, weight)
+    fused = _fuses_gemm(a, weight, meta, forward)
     if fused:
         out = a.new_empty(a.shape[0], weight.shape[0] if forward else weight.shape[1])
     else:
@@ -94,7 +143,8 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
             a_pack, bt_pack = x.new_empty(0, x.shape[1]), x.new_empty(0, weight.shape[0])
         s = torch.empty(x.shape[0], meta.rank_stride, device=x.device, dtype=x.dtype)  # (tokens, rank)
         mask_nibbles = empty_mask_nibbles(x.shape[0] if meta.has_dropout else 0, x.shape[1], x.device)
-        lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask_nibbles)
+        lora_shrink(x, a_pack, s, meta, apply_scale=False, dropout=True, mask_nibbles=mask_nibbles,
+                    programs=_shrink_beside(x, weight, meta, forward=True))
         y = _base_plus_lora(x, weight, bias, s, bt_pack, meta, forward=True)
         ctx.save_for_backward(x, weight, s, a_pack, bt_pack, mask_nibbles)
         ctx.meta = meta
@@ -112,10 +162,11 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         dy = dy.contiguous()
         ds = torch.empty_like(s)  # (tokens, rank)
         wants_dx = ctx.needs_input_grad[0]
+        beside = _shrink_beside(dy, weight, meta, forward=False) if wants_dx else 0
         adapter_grads = [None] * (len(ctx.needs_input_grad) - 4)
         dx = None
         if not any(ctx.needs_input_grad[4:]):
-            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False)
+            lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False, programs=beside)
         else:
             # every dB_i [out, r_i] one after another in one flat buffer, every dA_i [r_i, in]
             # stacked in another: each adapter's gradient is a contiguous view
@@ -127,7 +178,12 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
             if (wants_dx and meta.config.overlap_reductions and dy.is_cuda
                     and torch.cuda.is_current_stream_capturing()):
                 dx = _dx_with_adapter_grads_beside(x, dy, weight, s, ds, a_pack, bt_pack, mask_nibbles, da, db,
-                                                   meta)
+                                                   meta, beside)
+            elif beside:  # dS beside the dX GEMM; then dB, in a pass over dY of its own, and dA
+                lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False, programs=beside)
+                dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False)
+                lora_row_reduce(dy, s, db, meta, out_is_b=True)
+                lora_row_reduce(x, ds, da, meta, out_is_b=False)
             else:
                 lora_ds_and_db(dy, s, bt_pack, ds, db, meta)
                 lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
@@ -140,22 +196,31 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
         return dx, None, None, None, *adapter_grads
 
 
-def _dx_with_adapter_grads_beside(x, dy, weight, s, ds, a_pack, bt_pack, mask_nibbles, da, db, meta):
+def _dx_with_adapter_grads_beside(x, dy, weight, s, ds, a_pack, bt_pack, mask_nibbles, da, db, meta, beside):
     """The backward with dA and dB on a second stream (`KernelConfig.overlap_reductions`):
     nothing on the way to dX needs them. dA runs beside the dX GEMM; dB, where it takes a
     pass over dY of its own (ranks above 16), beside the dS shrink. Each is queued after the
     kernel it runs beside, so that that kernel's programs take the SMs first and the
-    reduction fills what its last wave leaves idle. Writes dS, dA and dB; returns dX."""
+    reduction fills what its last wave leaves idle. Where the dS shrink itself runs beside
+    the GEMM on `beside` programs (`_shrink_beside`), dB takes a pass of its own and waits
+    for the shrink too, so that it does not take the SMs the shrink runs on. Writes dS, dA
+    and dB; returns dX."""
     from .ds_db import lora_ds_and_db
     from .row_reduce import lora_row_reduce
+    from .shrink import lora_shrink
 
     main, side = torch.cuda.current_stream(dy.device), _side_stream(dy.device)
-    dy_ready = main.record_event()
-    # dB needs only dY and S: where it takes its own pass over dY, it goes beside the dS shrink
-    lora_ds_and_db(dy, s, bt_pack, ds, db, meta, db_pass=lambda: _beside(side, dy_ready))
+    if beside:
+        lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False, programs=beside)
+    else:
+        dy_ready = main.record_event()
+        # dB needs only dY and S: where it takes its own pass over dY, it goes beside the dS shrink
+        lora_ds_and_db(dy, s, bt_pack, ds, db, meta, db_pass=lambda: _beside(side, dy_ready))
     ds_ready = main.record_event()
     dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
     with _beside(side, ds_ready):
+        if beside:
+            lora_row_reduce(dy, s, db, meta, out_is_b=True)
         lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
     main.wait_stream(side)  # before anything reads the gradients or reuses the buffers they read
     return dx

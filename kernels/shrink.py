@@ -27,11 +27,13 @@ from typing import Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, keep_nibbles, let_next_kernel_start,
                              load_adapter, load_row_block, nibbles_to_mask, store_nibbles, wait_for_previous_kernel)
 from .dropout import dropout_keep_mask
-from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv
+from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, beside_stages, cdiv,
+                       tma_ready)
 
 
 @triton.jit
@@ -50,6 +52,8 @@ def _shrink_kernel(
     K,
     k_per_split,  # columns of K per split, a multiple of BLOCK_K
     n_groups,
+    n_items,  # LOOPED: tiles x rank blocks
+    n_rank_blocks,  # LOOPED: rank blocks per tile (grid axis 2 otherwise)
     # strides
     stride_xm,
     stride_om,
@@ -65,36 +69,59 @@ def _shrink_kernel(
     FIT_RANK_BLOCK: tl.constexpr,  # each adapter's program takes the smallest rank block holding its rank
     BLOCK_K: tl.constexpr,  # reduction step over K
     SPLIT_K: tl.constexpr,  # programs per output block, each over k_per_split columns of K
+    LOOPED: tl.constexpr,  # a few programs (grid axis 0), each over every n-th (tile, rank block): beside the GEMM
+    X_TMA: tl.constexpr,  # x_ptr is a TMA descriptor of [BLOCK_M, BLOCK_K] blocks
     PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
     wait_for_previous_kernel(PDL)  # it packed the adapters, or wrote dY
     let_next_kernel_start(PDL)  # the fused GEMM reads S only once its K loop is done; a splits' sum waits
-    adapter, row_start, row_end = load_row_block(tiles_ptr, tl.program_id(0))
-    split = tl.program_id(1) % SPLIT_K
-    row_start += (tl.program_id(1) // SPLIT_K) * BLOCK_M  # this program's sub-tile
-    pid_r = tl.program_id(2)
+    if LOOPED:  # whole tiles, K whole: item i is tile i // n_rank_blocks, rank block i % n_rank_blocks
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            _shrink_block(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr,
+                          seeds_ptr, item // n_rank_blocks, 0, 0, item % n_rank_blocks, K, k_per_split, n_groups,
+                          stride_xm, stride_om, stride_part, APPLY_SCALE, HAS_DROPOUT, EVEN_K, N_INT_COLS,
+                          N_FLOAT_COLS, BLOCK_M, BLOCK_R, FIT_RANK_BLOCK, BLOCK_K, SPLIT_K, X_TMA)
+    else:
+        _shrink_block(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr,
+                      seeds_ptr, tl.program_id(0), tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K,
+                      tl.program_id(2), K, k_per_split, n_groups, stride_xm, stride_om, stride_part, APPLY_SCALE,
+                      HAS_DROPOUT, EVEN_K, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_R, FIT_RANK_BLOCK, BLOCK_K,
+                      SPLIT_K, X_TMA)
+
+
+@triton.jit
+def _shrink_block(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,
+                  tile, sub_tile, split, pid_r, K, k_per_split, n_groups, stride_xm, stride_om, stride_part,
+                  APPLY_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr,
+                  N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                  FIT_RANK_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, X_TMA: tl.constexpr):
+    """One output block: sub-tile `sub_tile` (BLOCK_M rows) of `tile`, rank block `pid_r`, split
+    `split` of K; nothing where the tile has no LoRA, the rank block is past the adapter's rank
+    or the sub-tile past the segment."""
+    adapter, row_start, row_end = load_row_block(tiles_ptr, tile)
+    row_start += sub_tile * BLOCK_M
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
     r0 = pid_r * BLOCK_R
-    if r0 >= rank or row_start >= row_end:  # no LoRA here, rank block past its rank, or sub-tile past the segment
-        return
-    # the adapter's own rank block, so that a rank-8 adapter in a pack of rank 128 does not run
-    # 128-wide MMAs: the body is compiled once per block size and each program runs one
-    fit = fit_rank_block(rank - r0, BLOCK_R) if FIT_RANK_BLOCK else BLOCK_R
-    for halvings in tl.static_range(RANK_BLOCK_SIZES):
-        if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:  # compile-time: smaller blocks do not exist
-            if fit == BLOCK_R >> halvings:
-                _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start,
-                             seed, threshold, r_offset, scale, inv_keep, pid_r, split * k_per_split, k_per_split, K,
-                             n_groups, stride_xm, stride_om, split * stride_part, APPLY_SCALE, HAS_DROPOUT, EVEN_K,
-                             BLOCK_M, BLOCK_R >> halvings, BLOCK_K, SPLIT_K)
+    if r0 < rank and row_start < row_end:
+        # the adapter's own rank block, so that a rank-8 adapter in a pack of rank 128 does not
+        # run 128-wide MMAs: the body is compiled once per block size and each block runs one
+        fit = fit_rank_block(rank - r0, BLOCK_R) if FIT_RANK_BLOCK else BLOCK_R
+        for halvings in tl.static_range(RANK_BLOCK_SIZES):
+            if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:  # compile-time: smaller blocks do not exist
+                if fit == BLOCK_R >> halvings:
+                    _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, row_start, row_end, r0, rank,
+                                 seg_start, seed, threshold, r_offset, scale, inv_keep, pid_r, split * k_per_split,
+                                 k_per_split, K, n_groups, stride_xm, stride_om, split * stride_part, APPLY_SCALE,
+                                 HAS_DROPOUT, EVEN_K, BLOCK_M, BLOCK_R >> halvings, BLOCK_K, SPLIT_K, X_TMA)
 
 
 @triton.jit
 def _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, row_start, row_end, r0, rank, seg_start, seed,
                  threshold, r_offset, scale, inv_keep, pid_r, k_start, k_per_split, K, n_groups, stride_xm, stride_om,
                  part_offset, APPLY_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 X_TMA: tl.constexpr):
     """One program's rows and rank columns r0 .. r0 + BLOCK_R of S (or dS), over K's columns
     k_start .. k_start + k_per_split: the whole of K, or one split's partial."""
     offs_m = row_start + tl.arange(0, BLOCK_M)
@@ -102,7 +129,8 @@ def _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, row_start, row_en
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < row_end
     r_mask = offs_r < rank
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
+    if not X_TMA:
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     # (k, r) tile of the adapter's rows
     l_ptrs = lora_ptr + (r_offset + offs_r)[None, :] * K + (k_start + offs_k)[:, None]
     seg_rows = (offs_m - seg_start).to(tl.int64)  # rows within the adapter's segment: dropout counters
@@ -110,12 +138,16 @@ def _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, row_start, row_en
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         if EVEN_K:
-            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             lt = tl.load(l_ptrs, mask=r_mask[None, :], other=0.0)
+            if not X_TMA:
+                xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         else:
             k_mask = (k0 + offs_k) < K
-            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             lt = tl.load(l_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            if not X_TMA:
+                xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if X_TMA:  # rows past the tile are other adapters' (or zeros past x's end): computed, never stored
+            xt = x_ptr.load([row_start, k0])
         if HAS_DROPOUT:
             if threshold > 0:
                 nibbles = keep_nibbles(seed, seg_rows, k0, K, threshold, BLOCK_K)
@@ -123,7 +155,8 @@ def _shrink_rows(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, row_start, row_en
                 if pid_r == 0:  # programs of other rank blocks draw the same mask
                     store_nibbles(mask_ptr, nibbles, offs_m.to(tl.int64), m_mask, k0, n_groups, BLOCK_K)
         acc = tl.dot(xt, lt, acc)
-        x_ptrs += BLOCK_K
+        if not X_TMA:
+            x_ptrs += BLOCK_K
         l_ptrs += BLOCK_K
 
     if HAS_DROPOUT:
@@ -193,9 +226,14 @@ def lora_shrink(
     dropout: bool,
     mask_nibbles: Optional[torch.Tensor] = None,  # uint8 [M, ceil(K / 4)] (`empty_mask_nibbles`): the mask kept
     k_splits: Optional[int] = None,  # programs per output block over K; None: `shrink_launch`'s
+    programs: Optional[int] = None,  # beside the GEMM: this many programs, each looping over whole tiles
 ) -> torch.Tensor:
     """Launch the shrink over every tile of `meta`; rows of adapters without LoRA are left unwritten.
-    With `dropout`, the rows of adapters with p > 0 also get their keep-mask in `mask_nibbles`."""
+    With `dropout`, the rows of adapters with p > 0 also get their keep-mask in `mask_nibbles`.
+
+    With `programs`, a few programs each take every programs-th (tile, rank block) in turn, K
+    whole, so that the fused GEMM after it can run on the other SMs meanwhile
+    (`KernelConfig.shrink_beside_gemm`); otherwise a program per output block."""
     assert x.is_contiguous() and lora_pack.is_contiguous() and out.shape == (x.shape[0], meta.rank_stride)
     assert lora_pack.dtype == x.dtype and lora_pack.shape[1] == x.shape[1]
     has_dropout = dropout and meta.has_dropout
@@ -203,10 +241,19 @@ def lora_shrink(
         assert mask_nibbles is not None and mask_nibbles.shape == (x.shape[0], cdiv(x.shape[1], 4))
     cfg = meta.config
     M, K = x.shape
-    bm, bk, chosen_splits = shrink_launch(meta, K, has_dropout)
-    k_splits = chosen_splits if k_splits is None else k_splits
-    grid = (meta.n_tiles, cfg.block_m // bm, cdiv(meta.max_rank, meta.block_r))  # sub-tiles: more programs in flight
-    if grid[0] == 0 or grid[2] == 0:
+    n_rank_blocks = cdiv(meta.max_rank, meta.block_r)
+    x_tma = False
+    if programs:
+        bm, bk, k_splits = cfg.block_m, cfg.beside_block_k, 1
+        stages = beside_stages(cfg, meta.block_r, x.device)
+        grid = (min(programs, meta.n_tiles * n_rank_blocks), 1, 1)
+        x_tma = cfg.beside_tma and tma_ready(x)
+    else:
+        bm, bk, chosen_splits = shrink_launch(meta, K, has_dropout)
+        k_splits = chosen_splits if k_splits is None else k_splits
+        stages = cfg.shrink_stages if has_dropout else cfg.shrink_stages_no_dropout
+        grid = (meta.n_tiles, cfg.block_m // bm, n_rank_blocks)  # sub-tiles: more programs in flight
+    if meta.n_tiles == 0 or n_rank_blocks == 0:
         return out
     k_per_split = cdiv(cdiv(K, k_splits), bk) * bk
     k_splits = cdiv(K, k_per_split)  # a split of no columns would leave its partial unwritten
@@ -214,8 +261,8 @@ def lora_shrink(
     common = dict(N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=bm,
                   BLOCK_R=meta.block_r, PDL=cfg.pdl, launch_pdl=cfg.pdl, **LAUNCH_OPTIONS)
     _shrink_kernel[(grid[0], grid[1] * k_splits, grid[2])](
-        x, lora_pack, out, part, mask_nibbles if has_dropout else out, *meta.args(),
-        K, k_per_split, cdiv(K, 4),
+        TensorDescriptor.from_tensor(x, [bm, bk]) if x_tma else x, lora_pack, out, part, mask_nibbles if has_dropout else out, *meta.args(),
+        K, k_per_split, cdiv(K, 4), meta.n_tiles * n_rank_blocks, n_rank_blocks,
         x.stride(0), out.stride(0), M * out.shape[1],
         APPLY_SCALE=apply_scale,
         HAS_DROPOUT=has_dropout,
@@ -223,8 +270,10 @@ def lora_shrink(
         FIT_RANK_BLOCK=cfg.fit_rank_block,
         BLOCK_K=bk,
         SPLIT_K=k_splits,
+        LOOPED=bool(programs),
+        X_TMA=x_tma,
         num_warps=cfg.shrink_warps,
-        num_stages=cfg.shrink_stages if has_dropout else cfg.shrink_stages_no_dropout,
+        num_stages=stages,
         **common,
     )
     if k_splits > 1:

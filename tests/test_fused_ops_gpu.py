@@ -187,6 +187,26 @@ _needs_gluon_gemm = pytest.mark.skipif(not gluon_gemm_runs(), reason="the Gluon 
                                    "and the Triton releases of `metadata.GLUON_TRITON_RELEASES`")
 
 
+# The shrinks beside the fused GEMMs (`KernelConfig.shrink_beside_gemm`): 512 rows on the SMs
+# that the GEMMs' grids leave spare, segments shorter than a tile, an adapter without rows,
+# rank 200 in two rank blocks; and the same layout with the shrinks before the GEMMs
+@_needs_gluon_gemm
+@pytest.mark.parametrize("beside", [True, False])
+def test_shrinks_beside_the_gemm_bf16_against_float64(beside):
+    from lora_sweep.kernels import metadata, multi_lora
+
+    seg_lens, ranks = [200, 5, 0, 77, 230], [16, 1, 8, 200, 64]
+    config = dataclasses.replace(metadata.config_for(max(ranks), True, True), shrink_beside_gemm=beside)
+    meta = metadata.LoRABatchMeta.build(seg_lens, [torch.empty(r, 4096) for r in ranks],
+                                        [torch.empty(4096, r) for r in ranks], [1.0] * 5, [0.0] * 5,
+                                        list(range(5)), 4096, 4096, torch.device("cuda"), config)
+    x = torch.empty(sum(seg_lens), 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    programs = [multi_lora._shrink_beside(x, w, meta, forward) for forward in (True, False)]
+    assert all(programs) if beside else not any(programs)
+    _check_layer_against_float64(seg_lens, ranks, 4096, 4096, config, 0.0)
+
+
 # Both fused GEMMs take the Gluon kernel, dX's with the keep-mask where adapters have dropout:
 # segments shorter than a row block (so blocks hold several adapters' rows, with and without
 # dropout), ranks of one rank step of 16, of several, and ending mid-step (1, 17, 70, 130, 200),

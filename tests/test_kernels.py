@@ -36,6 +36,7 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     INTERPRET_CONFIG,
     LoRABatchMeta,
     config_for,
+    gemm_programs,
     gluon_release,
     reduce_chunk_rows,
     reduction_stages,
@@ -43,6 +44,7 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     shrink_k_splits,
     split_min_rows,
 )
+from lora_sweep.kernels.multi_lora import beside_programs  # noqa: E402
 from lora_sweep.kernels.pack import pack_adapters, reference_pack_adapters  # noqa: E402
 from lora_sweep.kernels.row_reduce import lora_row_reduce, reference_lora_row_reduce  # noqa: E402
 from lora_sweep.kernels.shrink import lora_shrink, reference_lora_shrink  # noqa: E402
@@ -355,6 +357,61 @@ def test_shrink_split_over_k_equals_whole_k(k_splits):
         assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5, equal_nan=True)
         if masks[0] is not None:  # every split draws and stores the mask of its own columns
             assert torch.equal(masks[0], masks[1])
+
+
+@pytest.mark.parametrize("programs,x_tma", [(1, True), (3, True), (3, False)])
+def test_shrink_beside_the_gemm_equals_a_program_per_block(programs, x_tma):
+    # a few programs, each looping over whole tiles with K whole in steps of `beside_block_k`
+    # (K of 100 and 136: the last step ends mid-step), x's blocks through TMA (whole blocks
+    # of rows, whatever the tile's) or pointers; rank 130 takes two rank blocks, so the
+    # programs loop over rank blocks too; empty and one-row segments, adapters without LoRA
+    case = random_case(7, 3, in_f=100, out_f=136, dropout=False, ranks=(1, 16, 33, 130))
+    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
+    x = x.detach()
+    meta = _meta(case, dataclasses.replace(CONFIGS["fused"], beside_tma=x_tma))
+    assert meta.max_rank > meta.block_r and not meta.has_dropout
+    a_pack, bt_pack = pack_adapters(*_adapters_with_rows(lora_a, lora_b, meta), x.dtype)
+    dy = torch.randn(x.shape[0], weight.shape[0])
+    for u, lora_pack, apply_scale in ((x, a_pack, False), (dy, bt_pack, True)):
+        outs = []
+        for beside in (None, programs):
+            out = torch.full((x.shape[0], meta.rank_stride), float("nan"))  # what is not written stays NaN
+            lora_shrink(u, lora_pack, out, meta, apply_scale=apply_scale, dropout=False, programs=beside)
+            outs.append(out)
+        assert outs[0].isnan().any() and not outs[0].isnan().all()
+        assert torch.equal(outs[0].isnan(), outs[1].isnan())  # the same elements written
+        assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-4, equal_nan=True)
+
+
+def test_gemm_programs_finish_as_soon_on_fewer_sms():
+    # 2048 tokens on 132 SMs: 256 pairs (4096 columns of 256) in two rounds of 128 programs, not
+    # 124 programs of two and 8 of one; 896 (14336 columns) in 7 rounds of 128; 1184 (18944
+    # columns) need all 132; 224 (3584 columns) take 112
+    assert [gemm_programs(n, 132) for n in (256, 896, 1184, 224, 100, 132, 133, 0)] == [128, 128, 132, 112, 100,
+                                                                                           132, 67, 0]
+    for n in range(1, 600):
+        programs = gemm_programs(n, 132)
+        assert programs <= 132 and -(-n // programs) == -(-n // min(n, 132))
+
+
+def test_shrinks_go_beside_the_gemm_where_the_spare_sms_can_stream_every_tile():
+    # On 132 SMs, 2048 tokens leave 4 SMs spare beside a GEMM of 4096 or 14336 columns: four
+    # tiles each, enough for S at rank 16 (4 x (128 + 16) rows within 576), not at rank 64 nor
+    # for dS (512); 20 SMs beside dX of 3584 columns (112 programs of two pairs), enough for
+    # 32 tiles of rank up to 128; 512 tokens leave 68 beside a GEMM of 4096 columns, 20
+    # beside one of 14336 (224 pairs: 112 programs of two)
+    def programs(tokens, n, rank, n_cols, forward=True, **changes):
+        cfg = dataclasses.replace(config_for(rank, True, True), **changes)
+        meta = LoRABatchMeta.build([tokens // n] * n, [torch.empty(rank, 64)] * n, [torch.empty(64, rank)] * n,
+                                   [1.0] * n, [0.0] * n, list(range(n)), 64, 64, torch.device("cpu"), cfg)
+        return beside_programs(dataclasses.replace(meta, sm_count=132), n_cols, forward)
+
+    assert [programs(2048, 4, 16, n_cols) for n_cols in (4096, 14336, 18944)] == [4, 4, 0]
+    assert [programs(2048, 4, 16, n_cols, forward=False) for n_cols in (4096, 3584)] == [0, 20]
+    assert programs(2048, 4, 64, 4096) == programs(2048, 32, 16, 4096) == 0
+    assert [programs(2048, 32, rank, 3584, forward=False) for rank in (16, 64, 128)] == [20, 20, 20]
+    assert programs(512, 4, 128, 4096) == 68 and programs(512, 4, 16, 14336, forward=False) == 20
+    assert programs(2048, 4, 16, 3584, forward=False, shrink_beside_gemm=False) == 0
 
 
 def test_matches_reference_with_the_shrinks_split_over_k():

@@ -47,6 +47,8 @@ def compile_fused_layer(capability: int) -> list[dict]:
 
     from lora_sweep.kernels import lora_gemm, metadata
     from lora_sweep.kernels.multi_lora import triton_multi_lora_linear
+    from lora_sweep.kernels.pack import pack_adapters
+    from lora_sweep.kernels.shrink import lora_shrink
     from lora_sweep.kernels.cross_entropy import cross_entropy_rows
     from lora_sweep.kernels.rmsnorm import rms_norm
     from lora_sweep.kernels.swiglu import silu_mul
@@ -72,14 +74,14 @@ def compile_fused_layer(capability: int) -> list[dict]:
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append(kernel)
+        compiled.append((kernel, kwargs.get("LOOPED", False)))
         return kernel
 
     JITFunction.run = compile_only
     metadata.gpu_capability = lambda: divmod(capability, 10)
     metadata.has_tma = lambda device: capability >= 90  # the tensors here are on the CPU
     metadata.sm_count = lora_gemm.sm_count = lambda device: n_sms
-    metadata.shrink_stage_bytes = lambda device: shared_bytes * 2 // 3
+    metadata.shared_memory_per_program = lambda device: shared_bytes
 
     for in_f, out_f, tokens, ranks, p in PACKS:
         n = len(ranks)
@@ -92,6 +94,13 @@ def compile_fused_layer(capability: int) -> list[dict]:
         y = triton_multi_lora_linear(x, weight, None, lora_a, lora_b, [2.0] * n, [p] * n, seg_lens,
                                      torch.arange(n), config=config)
         y.backward(torch.ones_like(y))
+        if capability == 90:  # the shrinks beside the Gluon GEMM, which runs on Hopper (`multi_lora._shrink_beside`)
+            meta = metadata.LoRABatchMeta.build(seg_lens, lora_a, lora_b, [2.0] * n, [0.0] * n, list(range(n)),
+                                                in_f, out_f, x.device, config)
+            a_pack, bt_pack = pack_adapters(lora_a, lora_b, torch.bfloat16)
+            s = x.new_empty(tokens, meta.rank_stride)
+            lora_shrink(x.detach(), a_pack, s, meta, apply_scale=False, dropout=False, programs=n_sms // 32)
+            lora_shrink(torch.ones_like(y), bt_pack, s, meta, apply_scale=True, dropout=False, programs=n_sms // 32)
     gate = torch.randn(256, 1024, dtype=torch.bfloat16, requires_grad=True)
     silu_mul(gate, torch.randn_like(gate)).sum().backward()
     h = torch.randn(256, 2048, dtype=torch.bfloat16, requires_grad=True)
@@ -99,9 +108,9 @@ def compile_fused_layer(capability: int) -> list[dict]:
     cross_entropy_rows(torch.randn(64, 128256, dtype=torch.bfloat16), torch.randint(0, 128256, (64,)), need_grad=True)
 
     rows = []
-    for kernel in compiled:
+    for kernel, looped in compiled:
         usage = resource_usage(kernel)
-        rows.append(dict(name=kernel.name, shared=usage["SHARED"], regs=int(usage["REG"]),
+        rows.append(dict(name=kernel.name, looped=looped, shared=usage["SHARED"], regs=int(usage["REG"]),
                          spills=int(usage["STACK"]) + int(usage["LOCAL"]),
                          descriptors=any(str(t).startswith("tensordesc") for t in kernel.src.signature.values()),
                          cp_async="cp.async" in kernel.asm["ptx"]))
@@ -140,6 +149,16 @@ def test_before_hopper_no_kernel_reads_through_tma_and_the_shrinks_are_pipelined
         pytest.skip("TMA from Hopper on")
     assert not any(r["descriptors"] for r in rows)
     assert all(r["cp_async"] for r in rows if r["name"] == "_shrink_kernel")
+
+
+def test_the_shrinks_beside_the_gemm_fit_and_are_pipelined(kernels_for):
+    # on Hopper, a few programs each stream whole tiles with as many stages as fit
+    # (`metadata.beside_stages`): most of the SM's shared memory
+    capability, rows = kernels_for
+    looped = [r for r in rows if r["looped"]]
+    assert bool(looped) == (capability == 90)
+    assert all(r["name"] == "_shrink_kernel" and r["cp_async"] and r["shared"] > GPUS[capability][2] // 2
+               for r in looped)
 
 
 if __name__ == "__main__":  # the compiling process of `kernels_for`: one JSON line

@@ -84,7 +84,7 @@ def _import_kernels():
 if "--dry" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 K = _import_kernels()
-from lora_sweep.kernels import ds_db, lora_gemm_gluon  # noqa: E402
+from lora_sweep.kernels import ds_db, lora_gemm_gluon, multi_lora  # noqa: E402
 from lora_sweep.kernels import metadata as meta_mod  # noqa: E402
 from lora_sweep.kernels.multi_lora import triton_multi_lora_linear  # noqa: E402
 from lora_sweep.kernels.reference import reference_multi_lora_linear  # noqa: E402
@@ -581,6 +581,12 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     # the shrinks' rows halved below the rank block instead of K split, as until v34
                     graphed["fused_rows_halved_shrinks"] = (lambda q: m_fused(q, rows_halved), p)
                     graphed["fused_dropout_rows_halved_shrinks"] = (lambda q: m_fused(q, rows_halved), pd)
+                if not DRY and default.shrink_beside_gemm and any(
+                        multi_lora._shrink_beside(u, p["weight"], pack_meta(p, default), forward)
+                        for u, forward in ((p["x"], True), (p["x"].new_empty(tokens, out_f), False))):
+                    # the shrinks before the fused GEMMs on every SM, as until v35
+                    before = dataclasses.replace(default, shrink_beside_gemm=False)
+                    graphed["fused_shrinks_before"] = (lambda q: m_fused(q, before), p)
                 if default.one_pass_dy and takes_col_groups(pack_meta(p, default), out_f):
                     # one column block a program of the pass over dY, as until v33
                     col_blocks = dataclasses.replace(default, ds_db_col_group=1)
@@ -1700,6 +1706,9 @@ def summarize(res):
                 ("graphed_split_k_over_rows_halved", "fused", "fused_rows_halved_shrinks", False),
                 ("graphed_dropout_split_k_over_rows_halved", "fused_dropout", "fused_dropout_rows_halved_shrinks",
                  False),
+                # the shrinks beside the fused GEMMs on the SMs their grid leaves spare, against
+                # before them on every SM (v35)
+                ("graphed_beside_over_before", "fused", "fused_shrinks_before", False),
                 # the Gluon GEMM's LoRA operands in two buffers, against one (v33)
                 ("graphed_two_lora_buffers_over_one", "fused", "fused_one_lora_buffer", False),
                 # the default's programmatic dependent launch against the other choice (v27)

@@ -14,10 +14,14 @@ their LoRA steps, one tile's K loop in.
 blocks, stages and load path (pointers, or TMA descriptors), L2 flushed before each call.
 `beside`: the graphed pair (shrink on the leftover SMs, then the GEMM on the balanced
 grid, PDL) against today's (the shrink on every SM, then the GEMM on 132 programs), for the
-forward GEMM and for dX. Timing only: the probe shrink gives every row block adapter 0's
-A, which changes what the GEMM adds, not what it reads.
+forward GEMM and for dX, with the probe's shrinks and the layer's own (`lora_shrink(programs=...)`).
+Timing only: the probe shrink gives every row block adapter 0's A, which changes what the
+GEMM adds, not what it reads. `layer`: the layer's forward alone and its fwd+bwd with the
+shrinks before the GEMMs and beside them wherever there are spare SMs, so that each pass's
+share of a difference shows (KERNELS_NOTES v35).
 
     python -m benchmarks.side_sms --out benchmarks/results/side_sms_h200.json
+    python -m benchmarks.side_sms --sections layer --out benchmarks/results/side_sms_h200_layer.json
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ them: host time, which is what bounds a call at a few thousand tokens.
 Captured in a CUDA graph, the backward queues dA (and dB, where it takes its own pass over
 dY) on a second stream: nothing on the way to dX needs them, and at a few thousand tokens
 each is a fraction of a wave that would otherwise run alone.
+
+Where the fused GEMM's grid leaves SMs spare and they can stream every tile in time, the
+shrink before it runs beside it on them (`beside_programs`); dS beside dX then leaves dB a
+pass over dY of its own.
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ writes an fp32 partial and a second, small launch adds the partials up in split 
 the result does not depend on which program finished first. Otherwise a program of a
 rank-64 adapter would be cut to 16 rows to give every SM work, and read four bytes of its
 adapter (from L2) for each byte of x or dY.
+
+Where the fused GEMM that reads S (dS) leaves SMs spare (`multi_lora.beside_programs`), the
+shrink runs beside it instead: a few programs, one per spare SM, each looping over whole
+tiles with K whole in long steps and deep pipelines, x (dY) through a TMA descriptor, while
+the GEMM runs its K loop on the other SMs (`lora_shrink(programs=...)`).
 """
 
 from __future__ import annotations

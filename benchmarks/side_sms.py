@@ -49,8 +49,9 @@ except ImportError:  # pragma: no cover
 
 @triton.jit
 def _looped_shrink(x_ptr, l_ptr, s_ptr, M, K, stride_s, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                   R: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    """S[rows, :R] = x[rows] @ L[:R]^T for the row blocks pid, pid + P, ...: pointer loads."""
+                   R: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+    """S[rows, :R] = x[rows] @ L[:R]^T for the row blocks pid, pid + P, ...: pointer loads, or
+    (TMA) x_ptr and l_ptr are TMA descriptors."""
     wait_for_previous_kernel(PDL)
     let_next_kernel_start(PDL)
     offs_k = tl.arange(0, BLOCK_K)
@@ -59,26 +60,13 @@ def _looped_shrink(x_ptr, l_ptr, s_ptr, M, K, stride_s, BLOCK_M: tl.constexpr, B
         offs_m = b * BLOCK_M + tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :])
-            lt = tl.load(l_ptr + offs_r[None, :] * K + (k0 + offs_k)[:, None])
+            if TMA:
+                xt = x_ptr.load([b * BLOCK_M, k0])
+                lt = l_ptr.load([0, k0]).T
+            else:
+                xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :])
+                lt = tl.load(l_ptr + offs_r[None, :] * K + (k0 + offs_k)[:, None])
             acc = tl.dot(xt, lt, acc)
-        tl.store(s_ptr + offs_m[:, None] * stride_s + offs_r[None, :], acc.to(s_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _looped_shrink_tma(x_desc, l_desc, s_ptr, M, K, stride_s, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                       R: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    """As `_looped_shrink`, x and L through TMA descriptors."""
-    wait_for_previous_kernel(PDL)
-    let_next_kernel_start(PDL)
-    offs_r = tl.arange(0, R)
-    for b in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-        offs_m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            xt = x_desc.load([b * BLOCK_M, k0])
-            lt = l_desc.load([0, k0])
-            acc = tl.dot(xt, lt.T, acc)
         tl.store(s_ptr + offs_m[:, None] * stride_s + offs_r[None, :], acc.to(s_ptr.dtype.element_ty))
 
 
@@ -91,14 +79,11 @@ def looped_shrink(x, lora, s, programs, cfg, pdl=True):
     path, bm, bk, stages = cfg
     M, K = x.shape
     R = s.shape[1]
-    if path == "ptr":
-        _looped_shrink[(programs, )](x, lora, s, M, K, s.stride(0), BLOCK_M=bm, BLOCK_K=bk, R=R, STAGES=stages,
-                                     PDL=pdl, num_warps=4, launch_pdl=pdl)
-    else:
-        _looped_shrink_tma[(programs, )](TensorDescriptor.from_tensor(x, [bm, bk]),
-                                         TensorDescriptor.from_tensor(lora[:R], [R, bk]), s, M, K, s.stride(0),
-                                         BLOCK_M=bm, BLOCK_K=bk, R=R, STAGES=stages, PDL=pdl, num_warps=4,
-                                         launch_pdl=pdl)
+    tma = path == "tma"
+    x_arg = TensorDescriptor.from_tensor(x, [bm, bk]) if tma else x
+    l_arg = TensorDescriptor.from_tensor(lora[:R], [R, bk]) if tma else lora
+    _looped_shrink[(programs, )](x_arg, l_arg, s, M, K, s.stride(0), BLOCK_M=bm, BLOCK_K=bk, R=R, STAGES=stages,
+                                 TMA=tma, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def gemm(a, w, s, pack, out, meta, forward, programs):

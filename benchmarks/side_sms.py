@@ -228,7 +228,8 @@ def main():
         best = min(besides, key=besides.get) if besides else None
         print(f'{r["in_f"]}->{r["out_f"]:<12} {"fwd" if r["forward"] else "dX":4s} {r["full"]:>4}/{r["fewer"]:<4} '
               f'{ms["today"] * 1e3:7.1f} {ms["gemm_full"] * 1e3:7.1f} {ms["gemm_fewer"] * 1e3:7.1f} '
-              + (f'{besides[best] * 1e3:7.1f} ({best}; alone {ms["side alone" + best[6:]] * 1e3:.1f})' if best else '-'))
+              + (f'{besides[best] * 1e3:7.1f} ({best}; alone {ms["side alone" + best[6:]] * 1e3:.1f})'
+                 if best else '-'))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

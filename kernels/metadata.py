@@ -95,9 +95,10 @@ class KernelConfig:
     shrink_split_min_steps: int = 4
     # a shrink that draws no dropout mask runs beside the fused Gluon GEMM that reads its output,
     # on the SMs the GEMM's grid leaves spare (`gemm_programs`), where they can stream every
-    # tile within about one tile's K loop of the GEMM (`multi_lora.beside_programs`, at most
-    # `beside_rows` rows of x and adapter a program, or `beside_rows_ds` of dY): the GEMM starts its K loop at once and
-    # waits for S (dS) only before its LoRA steps (`benchmarks/side_sms.py`, KERNELS_NOTES v35)
+    # tile within about one tile's K loop of the GEMM (`multi_lora.beside_programs`: at most
+    # `beside_rows` rows of x and adapter a program, `beside_rows_ds` of dY and adapter): the
+    # GEMM starts its K loop at once and waits for S (dS) only before its LoRA steps
+    # (`benchmarks/side_sms.py`, KERNELS_NOTES v35)
     shrink_beside_gemm: bool = True
     beside_rows: int = 576  # S beside the forward GEMM
     beside_rows_ds: int = 512  # dS beside dX, where dB then takes a pass over dY of its own

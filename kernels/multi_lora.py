@@ -109,8 +109,7 @@ def _shrink_beside(a, weight, meta, forward) -> int:
     before its K loop."""
     from .lora_gemm import takes_gluon
 
-    cfg = meta.config
-    if not (cfg.shrink_beside_gemm and cfg.pdl and a.is_cuda) or meta.has_dropout:
+    if not (meta.config.pdl and a.is_cuda) or meta.has_dropout:
         return 0
     if not (_fuses_gemm(a, weight, meta, forward) and takes_gluon(a, meta)):
         return 0
@@ -185,9 +184,9 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
                                                    meta, beside)
             elif beside:  # dS beside the dX GEMM; then dB, in a pass over dY of its own, and dA
                 lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False, programs=beside)
-                dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False)
+                dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
                 lora_row_reduce(dy, s, db, meta, out_is_b=True)
-                lora_row_reduce(x, ds, da, meta, out_is_b=False)
+                lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
             else:
                 lora_ds_and_db(dy, s, bt_pack, ds, db, meta)
                 lora_row_reduce(x, ds, da, meta, out_is_b=False, mask_nibbles=mask_nibbles)
@@ -195,7 +194,7 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
             db_blocks = db.split([dy.shape[1] * r for r in ranks])
             adapter_grads = [*da.split(ranks), *(g.view(dy.shape[1], r) for g, r in zip(db_blocks, ranks))]
 
-        if wants_dx and dx is None:  # not already computed beside the adapter gradients
+        if wants_dx and dx is None:  # not already computed with the adapter gradients
             dx = _base_plus_lora(dy, weight, None, ds, a_pack, meta, forward=False, mask_nibbles=mask_nibbles)
         return dx, None, None, None, *adapter_grads
 

@@ -266,7 +266,8 @@ def lora_shrink(
     common = dict(N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=bm,
                   BLOCK_R=meta.block_r, PDL=cfg.pdl, launch_pdl=cfg.pdl, **LAUNCH_OPTIONS)
     _shrink_kernel[(grid[0], grid[1] * k_splits, grid[2])](
-        TensorDescriptor.from_tensor(x, [bm, bk]) if x_tma else x, lora_pack, out, part, mask_nibbles if has_dropout else out, *meta.args(),
+        TensorDescriptor.from_tensor(x, [bm, bk]) if x_tma else x, lora_pack, out, part,
+        mask_nibbles if has_dropout else out, *meta.args(),
         K, k_per_split, cdiv(K, 4), meta.n_tiles * n_rank_blocks, n_rank_blocks,
         x.stride(0), out.stride(0), M * out.shape[1],
         APPLY_SCALE=apply_scale,

@@ -310,7 +310,7 @@ def gemm_programs(n_pairs: int, n_sms: int) -> int:
     At 2048 tokens the pairs rarely divide evenly over the SMs: 256 pairs on 132 SMs leave 124
     programs with two and 8 with one, idle for half the GEMM. 128 programs of two finish as
     soon, and leave 4 SMs to other work from the start (`KernelConfig.shrink_beside_gemm`);
-    alone, the GEMM took 0.99-1.00x its time on the full grid (H200, `benchmarks/side_sms.py`).
+    alone, the GEMM took 0.98-1.00x its time on the full grid (H200, `benchmarks/side_sms.py`).
     """
     return cdiv(n_pairs, cdiv(n_pairs, n_sms)) if n_pairs else 0
 

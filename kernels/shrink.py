@@ -247,18 +247,19 @@ def lora_shrink(
     cfg = meta.config
     M, K = x.shape
     n_rank_blocks = cdiv(meta.max_rank, meta.block_r)
+    n_items = meta.n_tiles * n_rank_blocks  # (tile, rank block) pairs: what the programs beside the GEMM loop over
     x_tma = False
     if programs:
         bm, bk, k_splits = cfg.block_m, cfg.beside_block_k, 1
         stages = beside_stages(cfg, meta.block_r, x.device)
-        grid = (min(programs, meta.n_tiles * n_rank_blocks), 1, 1)
+        grid = (min(programs, n_items), 1, 1)
         x_tma = cfg.beside_tma and tma_ready(x)
     else:
         bm, bk, chosen_splits = shrink_launch(meta, K, has_dropout)
         k_splits = chosen_splits if k_splits is None else k_splits
         stages = cfg.shrink_stages if has_dropout else cfg.shrink_stages_no_dropout
         grid = (meta.n_tiles, cfg.block_m // bm, n_rank_blocks)  # sub-tiles: more programs in flight
-    if meta.n_tiles == 0 or n_rank_blocks == 0:
+    if n_items == 0:
         return out
     k_per_split = cdiv(cdiv(K, k_splits), bk) * bk
     k_splits = cdiv(K, k_per_split)  # a split of no columns would leave its partial unwritten
@@ -268,7 +269,7 @@ def lora_shrink(
     _shrink_kernel[(grid[0], grid[1] * k_splits, grid[2])](
         TensorDescriptor.from_tensor(x, [bm, bk]) if x_tma else x, lora_pack, out, part,
         mask_nibbles if has_dropout else out, *meta.args(),
-        K, k_per_split, cdiv(K, 4), meta.n_tiles * n_rank_blocks, n_rank_blocks,
+        K, k_per_split, cdiv(K, 4), n_items, n_rank_blocks,
         x.stride(0), out.stride(0), M * out.shape[1],
         APPLY_SCALE=apply_scale,
         HAS_DROPOUT=has_dropout,

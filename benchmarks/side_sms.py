@@ -18,10 +18,12 @@ forward GEMM and for dX, with the probe's shrinks and the layer's own (`lora_shr
 Timing only: the probe shrink gives every row block adapter 0's A, which changes what the
 GEMM adds, not what it reads. `layer`: the layer's forward alone and its fwd+bwd with the
 shrinks before the GEMMs and beside them wherever there are spare SMs, so that each pass's
-share of a difference shows (KERNELS_NOTES v35).
+share of a difference shows (KERNELS_NOTES v35). `grads`: how much of the adapter
+gradients' reductions (dA, dB) the second stream hides beside the dX GEMM (v36).
 
     python -m benchmarks.side_sms --out benchmarks/results/side_sms_h200.json
     python -m benchmarks.side_sms --sections layer --out benchmarks/results/side_sms_h200_layer.json
+    python -m benchmarks.side_sms --sections grads --out benchmarks/results/side_sms_h200_grads.json
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import time
 
 import torch
@@ -187,6 +190,59 @@ def section_layer(res, device, packs):
         print(json.dumps(row), flush=True)
 
 
+def section_grads(res, device, packs):
+    """The backward's adapter gradients beside the dX GEMM: how much of dA and dB the second
+    stream hides today. Each alone, the dX GEMM alone (on `metadata.gemm_programs`' grid, which
+    leaves SMs spare), all three in series, and the reductions on a second stream forked
+    before the GEMM's launch, as the graphed layer queues them; graphed and interleaved.
+    hidden = (dX + dA + dB - beside) / (dA + dB)."""
+    from lora_sweep.kernels.row_reduce import lora_row_reduce
+
+    for in_f, out_f, tokens, n, kind in packs:
+        ranks = kb.ranks_for(n, kind, random.Random(n * 7 + tokens))
+        p = kb.make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
+        meta = kb.pack_meta(p, metadata.config_for(max(ranks), True, True))
+        a_pack, bt_pack = pack_adapters(p["lora_a"], p["lora_b"], torch.bfloat16)
+        x, w = p["x"].detach(), p["weight"]
+        dy = torch.randn(tokens, out_f, device=device, dtype=torch.bfloat16)
+        s, ds = (torch.randn(tokens, meta.rank_stride, device=device, dtype=torch.bfloat16) for _ in range(2))
+        da = torch.empty(meta.r_total, in_f, device=device)
+        db = torch.empty(out_f * meta.r_total, device=device)
+        dx = torch.empty(tokens, in_f, device=device, dtype=torch.bfloat16)
+        side = torch.cuda.Stream()
+
+        def dX():
+            gemm(dy, w, ds, a_pack, dx, meta, False, None)
+
+        def dA():
+            lora_row_reduce(x, ds, da, meta, out_is_b=False)
+
+        def dB():
+            lora_row_reduce(dy, s, db, meta, out_is_b=True)
+
+        def beside(*reductions):
+            main = torch.cuda.current_stream()
+            ready = main.record_event()
+            dX()
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                for f in reductions:
+                    f()
+            main.wait_stream(side)
+
+        fns = {"dX": dX, "dA": dA, "dB": dB, "serial": lambda: (dX(), dA(), dB()),
+               "dA beside": lambda: beside(dA), "dA,dB beside": lambda: beside(dA, dB)}
+        ms, errors = kb.interleaved_ms(fns, rounds=2)
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind, ranks=ranks,
+                   gemm_programs=metadata.gemm_programs(meta.n_blocks * metadata.cdiv(in_f, lora_gemm_gluon.TILE_N),
+                                                        metadata.sm_count(device)),
+                   ms=ms, errors=errors)
+        if all(ms.values()):
+            row["hidden"] = (ms["dX"] + ms["dA"] + ms["dB"] - ms["dA,dB beside"]) / (ms["dA"] + ms["dB"])
+        res["grads"].append(row)
+        print(json.dumps(row), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -194,7 +250,7 @@ def main():
     args = ap.parse_args()
     device = torch.device("cuda")
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               date=time.strftime("%Y-%m-%d"), rates=[], beside=[], layer=[], errors={})
+               date=time.strftime("%Y-%m-%d"), rates=[], beside=[], layer=[], grads=[], errors={})
     sections = args.sections.split(",")
     if "rates" in sections:
         section_rates(res, device, 2048, 4096)
@@ -220,6 +276,14 @@ def main():
             ms = r["ms"]
             print(f'{r["in_f"]}->{r["out_f"]} tok={r["tokens"]} {r["adapters"]}x r{r["rank"]}: '
                   + " ".join(f'{k} {v * 1e3:.1f}' for k, v in ms.items() if v))
+    if "grads" in sections:
+        section_grads(res, device, [(4096, 4096, 16384, 16, "mixed"), (4096, 4096, 16384, 32, "mixed"),
+                                    (4096, 4096, 16384, 4, "16"), (4096, 14336, 16384, 16, "mixed"),
+                                    (4096, 4096, 2048, 4, "16"), (4096, 4096, 2048, 16, "mixed")])
+        for r in res["grads"]:
+            print(f'{r["in_f"]}->{r["out_f"]} tok={r["tokens"]} {r["adapters"]}x r{r["rank"]} P={r["gemm_programs"]}: '
+                  + " ".join(f'{k} {v * 1e3:.1f}' for k, v in r["ms"].items() if v)
+                  + (f' hidden {r["hidden"]:.2f}' if "hidden" in r else ""))
     print("errors:", res["errors"])
     print(f'{"shape":22s} {"pass":4s} {"P":>9s} {"today":>7s} {"full":>7s} {"fewer":>7s} best beside (cfg)')
     for r in res["beside"]:

@@ -591,6 +591,9 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     # one column block a program of the pass over dY, as until v33
                     col_blocks = dataclasses.replace(default, ds_db_col_group=1)
                     graphed["fused_one_col_block"] = (lambda q: m_fused(q, col_blocks), p)
+                if default.db_block_m != 64 and not default.one_pass_dy:  # dB in 64-row steps, as until v36
+                    db_64_rows = dataclasses.replace(default, db_block_m=64)
+                    graphed["fused_db_64_rows"] = (lambda q: m_fused(q, db_64_rows), p)
                 if default.gemm_persistent_dx:  # the dX GEMM one program per tile, as until v24
                     per_tile_dx = dataclasses.replace(default, gemm_persistent_dx=False)
                     graphed["fused_per_tile_dx"] = (lambda q: m_fused(q, per_tile_dx), p)
@@ -1197,7 +1200,8 @@ SPLIT_VARIANTS = [(64, 64, 2), (64, 64, 4), (64, 64, 8), (64, 128, 4), (32, 64, 
 # (column block, warps, rows per step, rank block or the pack's)
 REDUCE_VARIANTS = [(128, 4, 64, None), (64, 4, 64, None), (128, 8, 64, None), (256, 8, 64, None), (128, 8, 32, None),
                    (128, 8, 128, None), (128, 4, 128, None),  # 128-row steps: twice the bytes in flight a stage (v32)
-                   (128, 4, 32, None), (64, 4, 32, None), (128, 4, 64, 32), (128, 4, 64, 64)]
+                   (128, 4, 32, None), (64, 4, 32, None), (128, 4, 64, 32), (128, 4, 64, 64),
+                   (64, 4, 64, 128), (128, 8, 64, 128), (64, 8, 64, 128)]  # dB too on rank blocks of 128 (v36)
 ONE_PASS_VARIANTS = [(512, 8), (512, 16), (256, 8), (128, 4), (128, 8), (64, 4)]  # (columns of dY per program, warps)
 CHUNK_VARIANTS = [1024, 512, 256, 128]  # rows per chunk of the reductions
 BLOCK_PACKS = [(4096, 4096, 2048, 1, "16"), (4096, 4096, 2048, 4, "16"), (4096, 14336, 2048, 32, "16"),
@@ -1266,7 +1270,7 @@ def section_blocks(res, device, packs=None):
                    chosen_mask_shrink=[meta.mask_shrink_block_m, meta.mask_shrink_block_k],
                    chosen_reduce_dA=[cfg.reduce_block_n, cfg.reduce_warps, cfg.reduce_block_m,
                                      meta_mod.reduce_rank_block(cfg, meta.block_r, False)],
-                   chosen_reduce_dB=[cfg.db_block_n, cfg.db_warps, cfg.db_block_m,
+                   chosen_reduce_dB=[cfg.db_block_n, cfg.db_warps, meta_mod.db_rows_per_step(meta),
                                      meta_mod.reduce_rank_block(cfg, meta.block_r, True)],
                    chosen_one_pass=[cfg.ds_db_block_n, cfg.ds_db_warps] if cfg.one_pass_dy else None)
         # the same pack without dropout, and with every program on the pack's largest rank block

@@ -368,6 +368,17 @@ def reduction_stages(meta: "LoRABatchMeta", block_m: int) -> int:
     return max(1, min(cfg.reduce_stages, cdiv(meta.longest_chunk, block_m)))
 
 
+def db_rows_per_step(meta: "LoRABatchMeta") -> int:
+    """Rows per step of dB's reduction: `config.db_block_m`, halved while the layout's longest
+    chunk would fit in half a step. A step taller than every chunk loads and multiplies rows
+    that belong to no chunk: with 32 adapters of 64 rows at 2048 tokens, 128-row steps took
+    the layer 1.008-1.014x its time on 64-row ones (KERNELS_NOTES v36)."""
+    block_m = meta.config.db_block_m
+    while block_m > 16 and meta.longest_chunk <= block_m // 2:
+        block_m //= 2
+    return block_m
+
+
 def takes_one_pass(config: KernelConfig, max_rank: int, block_r: int) -> bool:
     """Whether dS and dB come from one pass over dY (`ds_db.py`): where the config takes it
     (`one_pass_dy`) and every rank fits one rank block."""
@@ -421,9 +432,14 @@ def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelCo
         # cuBLAS plus the in-place add, median 0.94x, over the 21 benchmark shapes of 16384 tokens.
         # The in-place add (for operands TMA cannot read) gets 8 warps for its 128-row tiles:
         # the registers per thread of the 64-row, 4-warp config.
+        # dB in 128-row steps where some rank takes two of dB's rank blocks (above 64), cut to
+        # the layout's chunks (`db_rows_per_step`): for mixed ranks up to 128, dB alone took
+        # 0.90-0.96x its time on 64-row steps at 2048 and 16384 tokens (H200, v36); no faster at
+        # rank 64, slower at 16 (v32). Measured on Hopper only; it spills compiled for sm_80.
         return KernelConfig(block_m=FUSED_BLOCK_M, gemm_block_n=256, gemm_block_k=64, gemm_warps=8, gemm_stages=3,
                             fused_base=True, add_block_n=128, add_warps=8, pdl=hopper_or_newer(),
-                            gluon_gemm="always" if gluon_gemm_runs() else "never", **shared)
+                            gluon_gemm="always" if gluon_gemm_runs() else "never",
+                            **dict(shared, db_block_m=128 if block_r > 64 else 64))
     # cuBLAS base GEMMs plus the LoRA term added in place: its adds ran 5-15% faster on 64-row
     # tiles than on 128-row ones (v5).
     return KernelConfig(block_m=64, fused_base=False, add_block_n=128, add_warps=4, **shared)

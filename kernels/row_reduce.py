@@ -25,8 +25,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._triton_common import (MIN_RANK_BLOCK, RANK_BLOCK_SIZES, fit_rank_block, load_adapter, load_keep_mask,
                              load_row_block)
 from .dropout import dropout_keep_mask
-from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, reduce_grid,
-                       reduce_rank_block, reduction_stages, tma_ready)
+from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, db_rows_per_step,
+                       reduce_grid, reduce_rank_block, reduction_stages, tma_ready)
 
 _CHUNK_FIRST_COL = ADAPTER_INT_COLS.index("chunk_first")
 
@@ -229,7 +229,7 @@ def lora_row_reduce(
         assert mask_nibbles is not None and mask_nibbles.shape == (u.shape[0], cdiv(u.shape[1], 4))
     cfg = meta.config
     N = u.shape[1]
-    block_m, block_n, warps = ((cfg.db_block_m, cfg.db_block_n, cfg.db_warps) if out_is_b
+    block_m, block_n, warps = ((db_rows_per_step(meta), cfg.db_block_n, cfg.db_warps) if out_is_b
                                else (cfg.reduce_block_m, cfg.reduce_block_n, cfg.reduce_warps))
     block_r = reduce_rank_block(cfg, meta.block_r, out_is_b)
     n_blocks, r_blocks = reduce_grid(cfg, N, meta.max_rank, meta.block_r, out_is_b)

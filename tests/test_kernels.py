@@ -36,6 +36,7 @@ from lora_sweep.kernels.metadata import (  # noqa: E402
     INTERPRET_CONFIG,
     LoRABatchMeta,
     config_for,
+    db_rows_per_step,
     gemm_programs,
     gluon_release,
     reduce_chunk_rows,
@@ -461,6 +462,22 @@ def test_reduction_pipelines_no_deeper_than_their_chunks():
     assert stages([4000, 64], [16, 16]) == cfg.reduce_stages == 3
     assert stages([64, 4000], [16, 0]) == 1
     assert stages([64] * 32, [16] * 32, dataclasses.replace(cfg, stages_fit_chunks=False)) == 3
+
+
+def test_db_steps_are_no_taller_than_the_chunks_need():
+    # dB steps 128 rows where some rank takes two of its rank blocks (above 64), halved while
+    # the longest chunk fits in half a step: 32 adapters of 64 rows step 64 rows at a time,
+    # 16 adapters of 128 rows and longer chunks 128; up to rank 64 the steps stay 64 rows
+    def rows_per_step(seg_lens, rank):
+        cfg = config_for(rank, True, True)
+        n = len(seg_lens)
+        meta = LoRABatchMeta.build(seg_lens, [torch.empty(rank, 64)] * n, [torch.empty(64, rank)] * n, [1.0] * n,
+                                   [0.0] * n, list(range(n)), 64, 64, torch.device("cpu"), cfg)
+        return db_rows_per_step(meta)
+
+    assert [rows_per_step(seg_lens, 128) for seg_lens in ([64] * 32, [128] * 16, [1024] * 16, [40, 100])] == [
+        64, 128, 128, 128]
+    assert [rows_per_step([1024] * 16, rank) for rank in (16, 64)] == [64, 64]
 
 
 def test_tiles_cut_at_adapters_and_row_blocks():

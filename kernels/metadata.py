@@ -434,7 +434,7 @@ def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelCo
         # the registers per thread of the 64-row, 4-warp config.
         # dB in 128-row steps where some rank takes two of dB's rank blocks (above 64), cut to
         # the layout's chunks (`db_rows_per_step`): for mixed ranks up to 128, dB alone took
-        # 0.90-0.96x its time on 64-row steps at 2048 and 16384 tokens (H200, v36); no faster at
+        # 0.89-0.96x its time on 64-row steps at 2048 and 16384 tokens (H200, v36); no faster at
         # rank 64, slower at 16 (v32). Measured on Hopper only; it spills compiled for sm_80.
         return KernelConfig(block_m=FUSED_BLOCK_M, gemm_block_n=256, gemm_block_k=64, gemm_warps=8, gemm_stages=3,
                             fused_base=True, add_block_n=128, add_warps=8, pdl=hopper_or_newer(),

@@ -1650,6 +1650,19 @@ def layer_rates(row, ceilings):
     return rates
 
 
+def adapter_traffic_floors_ms(row, copy_gbps):
+    """Two floors under the LoRA part of one `main` row, in ms at the copy rate measured in the
+    same run: the fp32 adapters' bytes alone, whatever the kernels. `read_once`: each adapter
+    read once and its gradient written once, a bound no design beats. `per_pass`: the forward
+    and the backward each read the adapters from memory (the backward needs A and B again for
+    dS and dX: either the fp32 weights once more, or a bf16 copy the forward wrote, the same
+    bytes written and read), and the gradients written once. That holds in a model, where
+    the other layers run between a layer's forward and its backward and leave nothing of it
+    in L2."""
+    fp32_bytes = 4 * sum(row["ranks"]) * (row["in_f"] + row["out_f"])
+    return dict(read_once=2 * fp32_bytes / copy_gbps / 1e6, per_pass=3 * fp32_bytes / copy_gbps / 1e6)
+
+
 def summarize(res):
     s = {}
     main = [r for r in res.get("main", []) if r.get("fused")]
@@ -1756,15 +1769,18 @@ def summarize(res):
                 key: dict(**spread([x[key] for x in rates]), of=len(rates)) for key in rates[0] if "_of_" in key}
         copy_gbps = res.get("ceilings", {}).get("copy_GBps")
         if copy_gbps:
-            # A bound no kernel design beats: the fp32 adapters read once and their fp32 gradients
-            # written once, at the measured copy rate, on top of the base's own time.
-            floors = []
-            for r in big:
-                adapter_bytes = 2 * 4 * sum(r["ranks"]) * (r["in_f"] + r["out_f"])
-                r["adapter_traffic_floor_ms"] = adapter_bytes / copy_gbps / 1e6
-                floors.append(1 + r["adapter_traffic_floor_ms"] / (r.get("base_graphed") or r["base"]))
-            s["adapter_traffic_floor_over_base"] = dict(above_1_15=sum(f > 1.15 for f in floors), of=len(floors),
-                                                        max=max(floors))
+            # the base's own time plus the adapters' bytes alone: rows whose floor is above 1.15x
+            # cannot meet the target with fp32 adapters, whatever the kernels
+            for key, floor in (("adapter_traffic_floor", "read_once"),
+                               ("adapter_traffic_per_pass_floor", "per_pass")):
+                floors = []
+                for r in big:
+                    r[key + "_ms"] = adapter_traffic_floors_ms(r, copy_gbps)[floor]
+                    floors.append(1 + r[key + "_ms"] / (r.get("base_graphed") or r["base"]))
+                s[key + "_over_base"] = dict(
+                    above_1_15=sum(f > 1.15 for f in floors), of=len(floors), max=max(floors),
+                    rows_above_1_15=[f"{r['tokens']} x {r['in_f']}->{r['out_f']} x {r['adapters']} {r['rank']}"
+                                     for r, f in zip(big, floors) if f > 1.15])
         dr = [r["fused_dropout"] / r["fused"] for r in main if r.get("fused_dropout")]
         if dr:
             s["dropout_cost"] = {k: v for k, v in spread(dr).items() if k != "min"}
@@ -1832,10 +1848,11 @@ def print_table(res):
 def plot_main(rows, path, title):
     """The `main` rows as a picture of the two targets: the layer's GPU time over the frozen
     base's (graphed, replays interleaved), without and with dropout, against 1.15x; and the
-    speed-up over the segmented reference with 4 or more adapters, against 3x, beside the most
-    any op could gain there (the reference over the frozen base alone): graphed where the rows
-    timed the reference so (from v32), else eager. One column per token count. Returns the
-    figure."""
+    speed-up over the segmented reference with 4 or more adapters, against 3x. Beside each, the
+    best any op could do there: the base plus the fp32 adapters' bytes read in each pass
+    (`adapter_traffic_floors_ms`), and the reference over the frozen base alone. The reference
+    is graphed where the rows timed it so (from v32), else eager. One column per token count.
+    Returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1852,6 +1869,11 @@ def plot_main(rows, path, title):
         ax.bar([x + 0.2 for x in xs], [r["fused_dropout_graphed"] / r["base_graphed"] for r in sel], 0.4,
                label="fused, dropout 0.05")
         ax.axhline(1.15, color="k", linestyle="--", linewidth=1, label="target 1.15x")
+        floors = [(x, 1 + r["adapter_traffic_per_pass_floor_ms"] / r["base_graphed"]) for x, r in zip(xs, sel)
+                  if r.get("adapter_traffic_per_pass_floor_ms")]
+        if floors:
+            ax.scatter(*zip(*floors), color="k", marker="_", s=200,
+                       label="floor: the base + the fp32 adapters' bytes, read in each pass")
         ax.set_ylim(1.0, 1 + 1.4 * (max(r["fused_dropout_graphed"] / r["base_graphed"] for r in sel) - 1))
         ax.set_ylabel("fwd+bwd time / frozen base (graphed)")
         ax.set_title(f"{n_tok} tokens: the layer over the frozen base")
@@ -1920,6 +1942,11 @@ def main():
     args = ap.parse_args()
     if args.plot_from:
         saved = [json.load(open(f)) for f in args.plot_from.split(",")]
+        for res in saved:  # runs from before the per-pass floor: from their own copy rate
+            for r in res.get("main", []):
+                if "adapter_traffic_per_pass_floor_ms" not in r and res.get("ceilings") and r.get("ranks"):
+                    r["adapter_traffic_per_pass_floor_ms"] = adapter_traffic_floors_ms(
+                        r, res["ceilings"]["copy_GBps"])["per_pass"]
         plot_main([r for res in saved for r in res.get("main", [])], args.plot,
                   f"fused multi-LoRA layer, {saved[0]['gpu']}, torch {saved[0]['torch']}, Triton {saved[0]['triton']}")
         return

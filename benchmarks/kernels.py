@@ -1,6 +1,6 @@
 """GPU check and benchmark of the fused multi-LoRA kernels (run on the device machine).
 
-    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,ragged,profile,host,power,blocks,tune]
+    python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,ragged,profile,timeline,host,power,blocks,tune]
                                  [--tokens 2048,16384] [--packs 4x64,32xmixed]
 
 Sections:
@@ -25,6 +25,7 @@ Sections:
          kernel as a plain GEMM, the TMA kernel with the LoRA term after or before its K loop,
          cuBLAS + the in-place LoRA add.
   profile  where one fused fwd+bwd spends its time: per-kernel GPU time, host enqueue time.
+  timeline when each kernel of one graphed fwd+bwd starts and ends, and on which stream.
   host   where the host time of one fused fwd+bwd goes: cProfile of many calls, by function.
   power  the base and the fused layer in CUDA graphs, replayed back to back (with the SM clock
          and board power meanwhile) and one at a time on an idle GPU.
@@ -576,6 +577,11 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     # one buffer of the Gluon GEMM's LoRA operands, as until v33
                     one_buffer = dataclasses.replace(default, gluon_lora_buffers=1)
                     graphed["fused_one_lora_buffer"] = (lambda q: m_fused(q, one_buffer), p)
+                if default.gluon_gemm != "never" and lora_gemm_gluon.lora_in_ring(
+                        lora_gemm_gluon.rank_step(max(ranks)), default):
+                    # the unmasked LoRA term's operands in the output tile's buffer, as until v37
+                    output_buffer = dataclasses.replace(default, gluon_lora_in_ring=False)
+                    graphed["fused_lora_in_output_buffer"] = (lambda q: m_fused(q, output_buffer), p)
                 rows_halved = dataclasses.replace(default, shrink_split_k=False)
                 if shrinks_change(p, default, rows_halved):
                     # the shrinks' rows halved below the rank block instead of K split, as until v34
@@ -907,6 +913,43 @@ def section_profile(res, device, rows=PROFILE_ROWS, dropout=0.0):
         for k in kernels[:12]:
             print(f"   {k[0]:8.4f} ms  x{k[1]:<4.1f} {k[2]}", flush=True)
     res["profile"] = out
+
+
+def section_timeline(res, device, rows=PROFILE_ROWS):
+    """When each kernel of one graphed fwd+bwd starts and ends, and on which stream, for the
+    frozen base and the fused layer: the replay's kernels as the profiler traces them, times
+    from the replay's first kernel. Where `profile` sums each kernel's time, this shows what
+    waits for what: a kernel that starts late, or runs beside another."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for in_f, out_f, tokens, n, kind in rows:
+        if DRY:  # the profiler traces no CUDA kernels on the CPU
+            break
+        ranks = ranks_for(n, kind, random.Random(n * 7 + tokens))
+        p = make_pack(in_f, out_f, tokens, n, ranks, 0.0, device)
+        row = dict(in_f=in_f, out_f=out_f, tokens=tokens, adapters=n, rank=kind)
+        for name, method in (("base", m_base), ("fused", m_fused)):
+            graph = capture_graph(fwd_bwd_fn(method, p))
+            for _ in range(10):
+                graph.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                graph.replay()
+                torch.cuda.synchronize()
+            events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                            key=lambda e: e.time_range.start)
+            t0 = events[0].time_range.start
+            row[name] = [dict(name=e.name[:60], start_us=e.time_range.start - t0,
+                              end_us=e.time_range.end - t0, stream=getattr(e, "device_resource_id", None))
+                         for e in events]
+            del graph
+            print(f"timeline {in_f}->{out_f} tok={tokens} n={n} r={kind} {name}: "
+                  f"{max(k['end_us'] for k in row[name]):.1f} us", flush=True)
+            for k in row[name]:
+                print(f"   stream {k['stream']}  {k['start_us']:8.1f} -> {k['end_us']:8.1f}  {k['name']}", flush=True)
+        out.append(row)
+    res["timeline"] = out
 
 
 POWER_ROWS = ((4096, 4096, 16384, 4, "16"), (4096, 14336, 16384, 4, "16"), (4096, 4096, 16384, 32, "mixed"),
@@ -1728,6 +1771,8 @@ def summarize(res):
                 ("graphed_beside_over_before", "fused", "fused_shrinks_before", False),
                 # the Gluon GEMM's LoRA operands in two buffers, against one (v33)
                 ("graphed_two_lora_buffers_over_one", "fused", "fused_one_lora_buffer", False),
+                # the Gluon GEMM's unmasked LoRA operands through the ring, against the output tile's buffer (v37)
+                ("graphed_lora_in_ring_over_output_buffer", "fused", "fused_lora_in_output_buffer", False),
                 # the default's programmatic dependent launch against the other choice (v27)
                 ("graphed_default_over_other_pdl", "fused", "fused_other_pdl", False),
                 ("graphed_dropout_default_over_other_pdl", "fused_dropout", "fused_dropout_other_pdl", False),
@@ -1925,7 +1970,7 @@ def main():
     ap.add_argument("--shapes", default=None,
                     help="main: comma-separated in x out features, e.g. 4096x14336 (default: all of SHAPES)")
     ap.add_argument("--profile-rows", default=None,
-                    help="profile: comma-separated rows as in x out x tokens x adapters x rank, e.g. "
+                    help="profile and timeline: comma-separated rows as in x out x tokens x adapters x rank, e.g. "
                          "4096x14336x2048x4x64 (default: PROFILE_ROWS)")
     ap.add_argument("--profile-dropout", type=float, default=0.0, help="profile: every adapter's dropout rate")
     ap.add_argument("--block-packs", default=None,
@@ -1985,6 +2030,8 @@ def main():
             elif sec == "main":
                 section_main(res, device, deadline, packs=packs, shapes=shapes, tokens_list=tokens,
                              graphed_names=args.graphed.split(",") if args.graphed else None)
+            elif sec == "timeline":
+                section_timeline(res, device, profile_rows)
             elif sec == "profile":
                 section_profile(res, device, profile_rows, args.profile_dropout)
             elif sec == "host":

@@ -11,11 +11,12 @@ cuBLAS where K is 3584-4096 (KERNELS_NOTES v26, v27). Here the schedule is writt
 loading warp runs through every (tile, K step) the program owns and fills a ring of
 STAGES shared buffers as the MMA warps free them, so the next tile's first operands arrive
 under this tile's last steps and its epilogue. After the K steps it loads the tile's LoRA
-operands, 16, 32 or 64 ranks at a time (the pack's largest rank, rounded up), into the
-output tile's buffer, idle from the previous tile's store until this tile's epilogue: the
-row block's rows of S and the adapter's rows of the packed B^T (A), two steps ahead where
-two fit (`lora_slots`), so that a block of several adapters loads the next one's while it
-adds this one's. The MMA warps mask them (the block's rows of other adapters, the rank's
+operands, 16, 32 or 64 ranks at a time (the pack's largest rank, rounded up): the row
+block's rows of S and the adapter's rows of the packed B^T (A). Steps of 16 or 32 ranks go
+into the output tile's buffer, idle from the previous tile's store until this tile's
+epilogue, two steps ahead (`lora_slots`), so that a block of several adapters loads the next
+one's while it adds this one's. Steps of 64, of which that buffer holds one, go through the
+ring like K steps, up to STAGES ahead (`lora_in_ring`). The MMA warps mask them (the block's rows of other adapters, the rank's
 end: another adapter's values, NaN included, never reach this one's rows), scale S by
 scale_i (forward), and add them with one wgmma whose first operand comes from registers,
 only as deep as the adapter's ranks left need (16, 32 or the whole step). The tile leaves
@@ -140,15 +141,36 @@ if gluon is not None:
         return drops, gl.load(adapters_f_ptr + adapter * _N_FLOAT + _INV_KEEP)
 
     @gluon.jit
+    def _load_ring_lora_steps(s_desc, l_desc, s_ring, l_ring, ready, empty, block_tiles_ptr, tiles_ptr,
+                              adapters_i_ptr, adapters_f_ptr, block, row0, n0, step, STAGES: gl.constexpr,
+                              BLOCK_K: gl.constexpr):
+        """The row block's LoRA operands into the ring, one rank step a slot, as `_add_ring_lora_steps`
+        takes them: each tile's rows of S (dS) at the start of the slot's x (dY) buffer, its
+        adapter's rows of the packed B^T (A) at the start of its W buffer. Returns the next step."""
+        R_STEP: gl.constexpr = s_desc.block_type.shape[1]
+        for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
+                          gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
+            _, _, rank, r_offset, _ = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
+            for r0 in range(0, rank, R_STEP):
+                buf = step % STAGES
+                mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)
+                bar = ready.index(buf)
+                mbarrier.expect(bar, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
+                _tma_load(s_desc, [row0, r0], bar, s_ring.index(buf * (BLOCK_K // R_STEP)))
+                _tma_load(l_desc, [r_offset + r0, n0], bar, l_ring.index(buf * (BLOCK_K // R_STEP)))
+                step += 1
+        return step
+
+    @gluon.jit
     def _load_partition(a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_bufs, l_bufs, s_ring, l_ring, ready, empty,
                         lora_ready, lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, N,
                         K, n_blocks, n_programs, FORWARD: gl.constexpr, OUT_DROPOUT: gl.constexpr,
-                        GROUP_M: gl.constexpr, PDL: gl.constexpr):
+                        GROUP_M: gl.constexpr, PDL: gl.constexpr, LORA_IN_RING: gl.constexpr):
         """The loading warp: each step's x (dY) and W blocks into the ring as the MMA warps free
-        a buffer, up to STAGES steps ahead and across tiles; after a tile's K steps, once the
-        previous tile's store has left the output buffer, its LoRA operands rank step by rank
-        step into that buffer. With OUT_DROPOUT the LoRA operands come first instead, through
-        the ring, one rank step per slot."""
+        a buffer, up to STAGES steps ahead and across tiles, and the tile's LoRA operands
+        through the same ring, one rank step per slot: after its K steps (LORA_IN_RING), or
+        before them with OUT_DROPOUT. Without LORA_IN_RING they go after the K steps into the
+        output tile's buffer instead, once the previous tile's store has left it."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         LORA_SLOTS: gl.constexpr = lora_ready.type.shape[0]
         R_STEP: gl.constexpr = s_desc.block_type.shape[1]
@@ -164,17 +186,8 @@ if gluon is not None:
             n0 = pid_n * BLOCK_N
             if OUT_DROPOUT:
                 _wait_for_previous_kernel(PDL)  # it wrote dS (returns at once after the first time)
-                for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
-                                  gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
-                    _, _, rank, r_offset, _ = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
-                    for r0 in range(0, rank, R_STEP):
-                        buf = step % STAGES
-                        mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)
-                        bar = ready.index(buf)
-                        mbarrier.expect(bar, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
-                        _tma_load(s_desc, [row0, r0], bar, s_ring.index(buf * (BLOCK_K // R_STEP)))
-                        _tma_load(l_desc, [r_offset + r0, n0], bar, l_ring.index(buf * (BLOCK_K // R_STEP)))
-                        step += 1
+                step = _load_ring_lora_steps(s_desc, l_desc, s_ring, l_ring, ready, empty, block_tiles_ptr, tiles_ptr,
+                                             adapters_i_ptr, adapters_f_ptr, block, row0, n0, step, STAGES, BLOCK_K)
             for ki in range(k_steps):
                 buf = step % STAGES
                 mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)  # barriers start as if freed once
@@ -190,6 +203,10 @@ if gluon is not None:
                 # x (dY) and W were written before the kernel before this one started; S (dS) is
                 # that kernel's output (returns at once after the first time)
                 _wait_for_previous_kernel(PDL)
+            if LORA_IN_RING and not OUT_DROPOUT:
+                step = _load_ring_lora_steps(s_desc, l_desc, s_ring, l_ring, ready, empty, block_tiles_ptr, tiles_ptr,
+                                             adapters_i_ptr, adapters_f_ptr, block, row0, n0, step, STAGES, BLOCK_K)
+            elif not OUT_DROPOUT:
                 mbarrier.wait(c_free, i & 1)  # the previous tile's store has left the output buffer
                 for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
                                   gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
@@ -254,11 +271,27 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _add_ring_lora_steps(acc, s_ring, l_ring, ready, empty, rows, rank, scale, step, s_layout: gl.constexpr,
+                             l_layout: gl.constexpr, FORWARD: gl.constexpr, FIT_K: gl.constexpr,
+                             STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+        """acc + one tile's LoRA term from the ring, a rank step a slot as `_load_ring_lora_steps`
+        put them there, each slot handed back once added. Returns acc and the next step."""
+        R_STEP: gl.constexpr = s_ring.type.shape[2]
+        for r0 in range(0, rank, R_STEP):
+            buf = step % STAGES
+            mbarrier.wait(ready.index(buf), (step // STAGES) & 1)
+            acc = _add_lora_step(acc, s_ring.index(buf * (BLOCK_K // R_STEP)), l_ring.index(buf * (BLOCK_K // R_STEP)),
+                                 rows, r0, rank, scale, s_layout, l_layout, FORWARD, FIT_K)
+            mbarrier.arrive(empty.index(buf))
+            step += 1
+        return acc, step
+
+    @gluon.jit
     def _mma_partition(c_desc, a_bufs, w_bufs, s_bufs, l_bufs, s_ring, l_ring, c_smem, ready, empty, lora_ready,
                        lora_empty, c_free, bias_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                        adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs, FORWARD: gl.constexpr,
                        OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
-                       FIT_K: gl.constexpr, num_warps: gl.constexpr):
+                       FIT_K: gl.constexpr, LORA_IN_RING: gl.constexpr, num_warps: gl.constexpr):
         """The MMA warps: the K steps' wgmmas as their operands land, each buffer handed back
         once the wgmma after it has started; the block's LoRA terms, masked to their tiles;
         the bias; the tile out through TMA. With OUT_DROPOUT the LoRA terms come first, from
@@ -312,14 +345,8 @@ if gluon is not None:
                     acc_rows = (row0 + offs_am >= row_start) & (row0 + offs_am < row_end)
                     row_factor = gl.where(acc_rows, inv_keep, row_factor)
                     dropped = dropped | (acc_rows & drops)
-                    for r0 in range(0, rank, R_STEP):
-                        buf = step % STAGES
-                        mbarrier.wait(ready.index(buf), (step // STAGES) & 1)
-                        acc = _add_lora_step(acc, s_ring.index(buf * (BLOCK_K // R_STEP)),
-                                             l_ring.index(buf * (BLOCK_K // R_STEP)), rows, r0, rank, scale, s_layout,
-                                             l_layout, FORWARD, FIT_K)
-                        mbarrier.arrive(empty.index(buf))
-                        step += 1
+                    acc, step = _add_ring_lora_steps(acc, s_ring, l_ring, ready, empty, rows, rank, scale, step,
+                                                     s_layout, l_layout, FORWARD, FIT_K, STAGES, BLOCK_K)
                 # The keep-mask: the tile's nibbles read 16 to a thread, handed to the threads whose
                 # accumulator columns they cover (through shared memory), each column's bit
                 # shifted out. The forward stored no mask for rows without dropout: they keep
@@ -341,14 +368,21 @@ if gluon is not None:
                 # at most this wgmma in flight: the previous step's buffer goes back to the loader
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-                if not OUT_DROPOUT:
+                if not OUT_DROPOUT and not LORA_IN_RING:
                     if ki == gl.minimum(2, k_steps - 1):  # a few steps in, the previous tile's store is out:
                         tma.store_wait(pendings=0)  # its buffer can take this tile's LoRA operands
                         mbarrier.arrive(c_free)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-            if not OUT_DROPOUT:
+            if LORA_IN_RING and not OUT_DROPOUT:
+                for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
+                                  gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
+                    row_start, row_end, rank, _, scale = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
+                    rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
+                    acc, step = _add_ring_lora_steps(acc, s_ring, l_ring, ready, empty, rows, rank, scale, step,
+                                                     s_layout, l_layout, FORWARD, FIT_K, STAGES, BLOCK_K)
+            elif not OUT_DROPOUT:
                 for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
                                   gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
                     row_start, row_end, rank, _, scale = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
@@ -380,7 +414,8 @@ if gluon is not None:
                                 tiles_ptr, adapters_i_ptr, adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs,
                                 FORWARD: gl.constexpr, OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
                                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
-                                FIT_K: gl.constexpr, LORA_SLOTS: gl.constexpr, num_warps: gl.constexpr):
+                                FIT_K: gl.constexpr, LORA_SLOTS: gl.constexpr, LORA_IN_RING: gl.constexpr,
+                                num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -416,10 +451,11 @@ if gluon is not None:
             (_mma_partition, (c_desc, a_bufs, w_bufs, s_bufs, l_bufs, s_ring, l_ring, c_smem, ready, empty, lora_ready,
                               lora_empty, c_free, bias_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                               adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs, FORWARD, OUT_DROPOUT, HAS_BIAS,
-                              GROUP_M, PDL, FIT_K, num_warps)),
+                              GROUP_M, PDL, FIT_K, LORA_IN_RING, num_warps)),
             (_load_partition, (a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_bufs, l_bufs, s_ring, l_ring, ready,
                                empty, lora_ready, lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
-                               adapters_f_ptr, N, K, n_blocks, n_programs, FORWARD, OUT_DROPOUT, GROUP_M, PDL)),
+                               adapters_f_ptr, N, K, n_blocks, n_programs, FORWARD, OUT_DROPOUT, GROUP_M, PDL,
+                               LORA_IN_RING)),
         ], [1], [40])
 
 
@@ -450,6 +486,13 @@ def lora_slots(r_step: int, config) -> int:
     ([block_m, TILE_N]), L's [r_step, TILE_N] blocks the other."""
     fits = min(TILE_N // (2 * r_step), config.block_m // (2 * r_step))
     return max(1, min(config.gluon_lora_buffers, fits))
+
+
+def lora_in_ring(r_step: int, config) -> bool:
+    """Whether the unmasked LoRA term's operands go through the K steps' ring
+    (`config.gluon_lora_in_ring`): where the output tile's buffer holds one rank step only
+    (`lora_slots`), so that a tile's second step would wait for its load after the first."""
+    return config.gluon_lora_in_ring and lora_slots(r_step, config) == 1
 
 
 def launch_descriptors(a, w, out, s, pack, forward: bool, block_m: int, r_step: int) -> tuple:
@@ -499,6 +542,7 @@ def lora_gemm_gluon(
         mask_nibbles if mask_nibbles is not None else out,
         *meta.block_args()[:4], M, N, K, meta.n_blocks, cdiv(N, 4), grid, FORWARD=forward,
         OUT_DROPOUT=mask_nibbles is not None, HAS_BIAS=bias is not None, STAGES=STAGES, GROUP_M=cfg.group_m,
-        PDL=cfg.pdl, FIT_K=cfg.gluon_k_fits_rank, LORA_SLOTS=lora_slots(r_step, cfg), num_warps=NUM_WARPS,
+        PDL=cfg.pdl, FIT_K=cfg.gluon_k_fits_rank, LORA_SLOTS=lora_slots(r_step, cfg),
+        LORA_IN_RING=lora_in_ring(r_step, cfg), num_warps=NUM_WARPS,
         maxnreg=MAX_REGISTERS, launch_pdl=cfg.pdl, **LAUNCH_OPTIONS)
     return out

@@ -77,6 +77,13 @@ class KernelConfig:
     # up to 32): a row block of several adapters loads the next one's while it adds this one's;
     # 0.991-0.994x the layer's time at 2048 tokens of 32 adapters of rank 16 (KERNELS_NOTES v33)
     gluon_lora_buffers: int = 2
+    # in the Gluon GEMM, where the output tile's buffer holds one rank step only (steps of 64
+    # ranks), the unmasked LoRA term's operands through the K steps' ring after the tile's K
+    # steps, as the masked term's go before them: loaded while the last K steps multiply, up to
+    # three steps ahead. 0.978-1.001x the layer's time on those rows at 2048 tokens, 0.990-1.004x
+    # at 16384; at 16 or 32 ranks a step, whose two buffers the ring would not beat, 1.001-1.008x
+    # (`lora_gemm_gluon.lora_in_ring`, KERNELS_NOTES v37)
+    gluon_lora_in_ring: bool = True
     # the LoRA term added in place to a cuBLAS product
     add_block_n: int = 128
     add_warps: int = 4

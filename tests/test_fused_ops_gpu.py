@@ -262,14 +262,17 @@ def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself(dropout_p):
 # without): `gluon_k_fits_rank`, where the largest rank (128) makes the rank step 64 and the
 # adapters of rank 8 and 16 take a wgmma 16 deep, the one of rank 32 one 32 deep (40 and 128
 # stay 64); `gluon_lora_buffers`, where ranks up to 32 let a tile load its block's next
-# adapter's operands while it adds this one's.
+# adapter's operands while it adds this one's; `gluon_lora_in_ring`, where rank steps of 64
+# bring the unmasked term's operands through the K steps' ring rather than the output tile's
+# buffer.
 @_needs_gluon_gemm
 @pytest.mark.parametrize("field,before,ranks", [("gluon_k_fits_rank", False, [8, 128, 16, 32, 40]),
-                                               ("gluon_lora_buffers", 1, [8, 32, 16, 1, 20])])
+                                               ("gluon_lora_buffers", 1, [8, 32, 16, 1, 20]),
+                                               ("gluon_lora_in_ring", False, [8, 128, 16, 32, 40])])
 @pytest.mark.parametrize("dropout_p", [[0.0] * 5, [0.1, 0.0, 0.2, 0.0, 0.1]])
 def test_gluon_lora_term_schedules_change_no_bit(field, before, ranks, dropout_p):
     """Y, dX and every gradient are bit for bit those of the schedule before: a deeper wgmma
-    adds products of zeroed ranks, and a second buffer only loads earlier."""
+    adds products of zeroed ranks, and a second buffer or the ring only loads earlier."""
     from lora_sweep.kernels import metadata, triton_multi_lora_linear
 
     torch.manual_seed(11)
@@ -281,6 +284,8 @@ def test_gluon_lora_term_schedules_change_no_bit(field, before, ranks, dropout_p
     lora_a = [torch.randn(r, in_f, device="cuda") / in_f ** 0.5 for r in ranks]
     lora_b = [torch.randn(out_f, r, device="cuda") / r ** 0.5 for r in ranks]
     default = dataclasses.replace(metadata.config_for(max(ranks), True, True), gluon_gemm="always")
+    if field == "gluon_lora_buffers":  # they hold the term's operands only outside the ring
+        default = dataclasses.replace(default, gluon_lora_in_ring=False)
     assert getattr(default, field) != before
     args = (weight, bias, lora_a, lora_b, [2.0, 1.0, 0.5, 4.0, 0.25], dropout_p, seg_lens, [1, 2, 3, 4, 5])
     now, then = (_layer_grads(functools.partial(triton_multi_lora_linear, config=config), x, *args, dy,

@@ -16,11 +16,11 @@ block's rows of S and the adapter's rows of the packed B^T (A). Steps of 16 or 3
 into the output tile's buffer, idle from the previous tile's store until this tile's
 epilogue, two steps ahead (`lora_slots`), so that a block of several adapters loads the next
 one's while it adds this one's. Steps of 64, of which that buffer holds one, go through the
-ring like K steps, up to STAGES ahead (`lora_in_ring`). The MMA warps mask them (the block's rows of other adapters, the rank's
-end: another adapter's values, NaN included, never reach this one's rows), scale S by
-scale_i (forward), and add them with one wgmma whose first operand comes from registers,
-only as deep as the adapter's ranks left need (16, 32 or the whole step). The tile leaves
-through TMA while the next one starts.
+ring like K steps, up to STAGES ahead (`lora_in_ring`). The MMA warps mask them (the
+block's rows of other adapters, the rank's end: another adapter's values, NaN included,
+never reach this one's rows), scale S by scale_i (forward), and add them with one wgmma
+whose first operand comes from registers, only as deep as the adapter's ranks left need
+(16, 32 or the whole step). The tile leaves through TMA while the next one starts.
 
 dX with dropout masks the LoRA term by the keep-mask the forward shrink stored, which an
 accumulator already holding the base product cannot take. So its term comes first: the

@@ -141,23 +141,25 @@ if gluon is not None:
         return drops, gl.load(adapters_f_ptr + adapter * _N_FLOAT + _INV_KEEP)
 
     @gluon.jit
-    def _load_ring_lora_steps(s_desc, l_desc, s_ring, l_ring, ready, empty, block_tiles_ptr, tiles_ptr,
-                              adapters_i_ptr, adapters_f_ptr, block, row0, n0, step, STAGES: gl.constexpr,
-                              BLOCK_K: gl.constexpr):
-        """The row block's LoRA operands into the ring, one rank step a slot, as `_add_ring_lora_steps`
-        takes them: each tile's rows of S (dS) at the start of the slot's x (dY) buffer, its
-        adapter's rows of the packed B^T (A) at the start of its W buffer. Returns the next step."""
+    def _load_lora_steps(s_desc, l_desc, s_dst, l_dst, ready, empty, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
+                         adapters_f_ptr, block, row0, n0, step, SLOTS: gl.constexpr, L_FIRST: gl.constexpr,
+                         STRIDE: gl.constexpr):
+        """The row block's LoRA operands, one rank step a slot, as `_add_lora_steps` takes them:
+        each tile's rows of S (dS) into `s_dst.index(slot * STRIDE)`, its adapter's rows of the
+        packed B^T (A) into `l_dst.index(L_FIRST + slot * STRIDE)`, slot `step % SLOTS`, once
+        `empty` says the MMA warps are done with it. Through the ring: the start of a slot's x
+        (dY) and W buffers; else the output tile's buffer's two halves. Returns the next step."""
         R_STEP: gl.constexpr = s_desc.block_type.shape[1]
         for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
                           gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
             _, _, rank, r_offset, _ = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
             for r0 in range(0, rank, R_STEP):
-                buf = step % STAGES
-                mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)
-                bar = ready.index(buf)
+                slot = step % SLOTS
+                mbarrier.wait(empty.index(slot), ((step // SLOTS) & 1) ^ 1)  # barriers start as if freed once
+                bar = ready.index(slot)
                 mbarrier.expect(bar, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
-                _tma_load(s_desc, [row0, r0], bar, s_ring.index(buf * (BLOCK_K // R_STEP)))
-                _tma_load(l_desc, [r_offset + r0, n0], bar, l_ring.index(buf * (BLOCK_K // R_STEP)))
+                _tma_load(s_desc, [row0, r0], bar, s_dst.index(slot * STRIDE))
+                _tma_load(l_desc, [r_offset + r0, n0], bar, l_dst.index(L_FIRST + slot * STRIDE))
                 step += 1
         return step
 
@@ -177,6 +179,8 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = l_desc.block_type.shape[1]
+        RING_STRIDE: gl.constexpr = BLOCK_K // R_STEP  # a ring slot's views: one rank step's S and L at its start
+        L_HALF: gl.constexpr = l_bufs.type.shape[0] // 2  # the output buffer's second half: its slots of L
         num_pid_n, n_pairs, k_steps = _program_work(N, K, n_blocks, n_programs, BLOCK_N, BLOCK_K)
         step = 0
         lora_step = 0
@@ -186,8 +190,8 @@ if gluon is not None:
             n0 = pid_n * BLOCK_N
             if OUT_DROPOUT:
                 _wait_for_previous_kernel(PDL)  # it wrote dS (returns at once after the first time)
-                step = _load_ring_lora_steps(s_desc, l_desc, s_ring, l_ring, ready, empty, block_tiles_ptr, tiles_ptr,
-                                             adapters_i_ptr, adapters_f_ptr, block, row0, n0, step, STAGES, BLOCK_K)
+                step = _load_lora_steps(s_desc, l_desc, s_ring, l_ring, ready, empty, block_tiles_ptr, tiles_ptr,
+                                        adapters_i_ptr, adapters_f_ptr, block, row0, n0, step, STAGES, 0, RING_STRIDE)
             for ki in range(k_steps):
                 buf = step % STAGES
                 mbarrier.wait(empty.index(buf), ((step // STAGES) & 1) ^ 1)  # barriers start as if freed once
@@ -203,22 +207,15 @@ if gluon is not None:
                 # x (dY) and W were written before the kernel before this one started; S (dS) is
                 # that kernel's output (returns at once after the first time)
                 _wait_for_previous_kernel(PDL)
-            if LORA_IN_RING and not OUT_DROPOUT:
-                step = _load_ring_lora_steps(s_desc, l_desc, s_ring, l_ring, ready, empty, block_tiles_ptr, tiles_ptr,
-                                             adapters_i_ptr, adapters_f_ptr, block, row0, n0, step, STAGES, BLOCK_K)
-            elif not OUT_DROPOUT:
-                mbarrier.wait(c_free, i & 1)  # the previous tile's store has left the output buffer
-                for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
-                                  gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
-                    _, _, rank, r_offset, _ = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
-                    for r0 in range(0, rank, R_STEP):
-                        slot = lora_step % LORA_SLOTS
-                        mbarrier.wait(lora_empty.index(slot), ((lora_step // LORA_SLOTS) & 1) ^ 1)
-                        bar = lora_ready.index(slot)
-                        mbarrier.expect(bar, s_desc.block_type.nbytes + l_desc.block_type.nbytes)
-                        _tma_load(s_desc, [row0, r0], bar, s_bufs.index(slot))
-                        _tma_load(l_desc, [r_offset + r0, n0], bar, l_bufs.index(l_bufs.type.shape[0] // 2 + slot))
-                        lora_step += 1
+                if LORA_IN_RING:
+                    step = _load_lora_steps(s_desc, l_desc, s_ring, l_ring, ready, empty, block_tiles_ptr, tiles_ptr,
+                                            adapters_i_ptr, adapters_f_ptr, block, row0, n0, step, STAGES, 0,
+                                            RING_STRIDE)
+                else:
+                    mbarrier.wait(c_free, i & 1)  # the previous tile's store has left the output buffer
+                    lora_step = _load_lora_steps(s_desc, l_desc, s_bufs, l_bufs, lora_ready, lora_empty,
+                                                 block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, block,
+                                                 row0, n0, lora_step, LORA_SLOTS, L_HALF, 1)
 
     @gluon.jit
     def _lora_wgmma(acc, s_view, l_view, rows, r0, rank, scale, s_layout: gl.constexpr, l_layout: gl.constexpr,
@@ -271,18 +268,18 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _add_ring_lora_steps(acc, s_ring, l_ring, ready, empty, rows, rank, scale, step, s_layout: gl.constexpr,
-                             l_layout: gl.constexpr, FORWARD: gl.constexpr, FIT_K: gl.constexpr,
-                             STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
-        """acc + one tile's LoRA term from the ring, a rank step a slot as `_load_ring_lora_steps`
-        put them there, each slot handed back once added. Returns acc and the next step."""
-        R_STEP: gl.constexpr = s_ring.type.shape[2]
+    def _add_lora_steps(acc, s_src, l_src, ready, empty, rows, rank, scale, step, s_layout: gl.constexpr,
+                        l_layout: gl.constexpr, FORWARD: gl.constexpr, FIT_K: gl.constexpr, SLOTS: gl.constexpr,
+                        L_FIRST: gl.constexpr, STRIDE: gl.constexpr):
+        """acc + one tile's LoRA term, a rank step a slot as `_load_lora_steps` put them there,
+        each slot handed back once added. Returns acc and the next step."""
+        R_STEP: gl.constexpr = s_src.type.shape[2]
         for r0 in range(0, rank, R_STEP):
-            buf = step % STAGES
-            mbarrier.wait(ready.index(buf), (step // STAGES) & 1)
-            acc = _add_lora_step(acc, s_ring.index(buf * (BLOCK_K // R_STEP)), l_ring.index(buf * (BLOCK_K // R_STEP)),
-                                 rows, r0, rank, scale, s_layout, l_layout, FORWARD, FIT_K)
-            mbarrier.arrive(empty.index(buf))
+            slot = step % SLOTS
+            mbarrier.wait(ready.index(slot), (step // SLOTS) & 1)
+            acc = _add_lora_step(acc, s_src.index(slot * STRIDE), l_src.index(L_FIRST + slot * STRIDE), rows, r0,
+                                 rank, scale, s_layout, l_layout, FORWARD, FIT_K)
+            mbarrier.arrive(empty.index(slot))
             step += 1
         return acc, step
 
@@ -302,6 +299,8 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        RING_STRIDE: gl.constexpr = BLOCK_K // R_STEP  # a ring slot's views: one rank step's S and L at its start
+        L_HALF: gl.constexpr = l_bufs.type.shape[0] // 2  # the output buffer's second half: its slots of L
         dtype: gl.constexpr = c_desc.dtype
         # the accumulator: the warps stacked along M, one 16 x BLOCK_N x 16 wgmma each
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -345,8 +344,8 @@ if gluon is not None:
                     acc_rows = (row0 + offs_am >= row_start) & (row0 + offs_am < row_end)
                     row_factor = gl.where(acc_rows, inv_keep, row_factor)
                     dropped = dropped | (acc_rows & drops)
-                    acc, step = _add_ring_lora_steps(acc, s_ring, l_ring, ready, empty, rows, rank, scale, step,
-                                                     s_layout, l_layout, FORWARD, FIT_K, STAGES, BLOCK_K)
+                    acc, step = _add_lora_steps(acc, s_ring, l_ring, ready, empty, rows, rank, scale, step, s_layout,
+                                                l_layout, FORWARD, FIT_K, STAGES, 0, RING_STRIDE)
                 # The keep-mask: the tile's nibbles read 16 to a thread, handed to the threads whose
                 # accumulator columns they cover (through shared memory), each column's bit
                 # shifted out. The forward stored no mask for rows without dropout: they keep
@@ -375,25 +374,18 @@ if gluon is not None:
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-            if LORA_IN_RING and not OUT_DROPOUT:
+            if not OUT_DROPOUT:  # the term after the K steps: from the ring, or from the output tile's buffer
                 for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
                                   gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
                     row_start, row_end, rank, _, scale = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
                     rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
-                    acc, step = _add_ring_lora_steps(acc, s_ring, l_ring, ready, empty, rows, rank, scale, step,
-                                                     s_layout, l_layout, FORWARD, FIT_K, STAGES, BLOCK_K)
-            elif not OUT_DROPOUT:
-                for tile in range(gl.load(block_tiles_ptr + block).to(gl.int32),
-                                  gl.load(block_tiles_ptr + block + 1).to(gl.int32)):
-                    row_start, row_end, rank, _, scale = _tile(tiles_ptr, adapters_i_ptr, adapters_f_ptr, tile)
-                    rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
-                    for r0 in range(0, rank, R_STEP):
-                        slot = lora_step % LORA_SLOTS
-                        mbarrier.wait(lora_ready.index(slot), (lora_step // LORA_SLOTS) & 1)
-                        acc = _add_lora_step(acc, s_bufs.index(slot), l_bufs.index(l_bufs.type.shape[0] // 2 + slot),
-                                             rows, r0, rank, scale, s_layout, l_layout, FORWARD, FIT_K)
-                        mbarrier.arrive(lora_empty.index(slot))
-                        lora_step += 1
+                    if LORA_IN_RING:
+                        acc, step = _add_lora_steps(acc, s_ring, l_ring, ready, empty, rows, rank, scale, step,
+                                                    s_layout, l_layout, FORWARD, FIT_K, STAGES, 0, RING_STRIDE)
+                    else:
+                        acc, lora_step = _add_lora_steps(acc, s_bufs, l_bufs, lora_ready, lora_empty, rows, rank, scale,
+                                                         lora_step, s_layout, l_layout, FORWARD, FIT_K, LORA_SLOTS,
+                                                         L_HALF, 1)
             if HAS_BIAS:
                 # into new registers: ptxas serialises every wgmma of the kernel (a wait after each)
                 # once other instructions write the accumulator's registers

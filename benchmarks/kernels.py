@@ -597,6 +597,11 @@ def section_main(res, device, deadline, packs=PACKS, shapes=SHAPES, tokens_list=
                     # one column block a program of the pass over dY, as until v33
                     col_blocks = dataclasses.replace(default, ds_db_col_group=1)
                     graphed["fused_one_col_block"] = (lambda q: m_fused(q, col_blocks), p)
+                if default.one_pass_dy and default.ds_db_fill_sms and \
+                        ds_db.ds_db_blocks(pack_meta(p, default), out_f)[0] != default.ds_db_block_n:
+                    # the pass over dY on its full column blocks where it leaves SMs idle, as until v38
+                    full_cols = dataclasses.replace(default, ds_db_fill_sms=False)
+                    graphed["fused_ds_db_full_cols"] = (lambda q: m_fused(q, full_cols), p)
                 if default.db_block_m != 64 and not default.one_pass_dy:  # dB in 64-row steps, as until v36
                     db_64_rows = dataclasses.replace(default, db_block_m=64)
                     graphed["fused_db_64_rows"] = (lambda q: m_fused(q, db_64_rows), p)
@@ -1773,6 +1778,8 @@ def summarize(res):
                 ("graphed_two_lora_buffers_over_one", "fused", "fused_one_lora_buffer", False),
                 # the Gluon GEMM's unmasked LoRA operands through the ring, against the output tile's buffer (v37)
                 ("graphed_lora_in_ring_over_output_buffer", "fused", "fused_lora_in_output_buffer", False),
+                # the one pass over dY on half its column blocks where it leaves SMs idle, against full (v38)
+                ("graphed_ds_db_fill_sms_over_full_cols", "fused", "fused_ds_db_full_cols", False),
                 # the default's programmatic dependent launch against the other choice (v27)
                 ("graphed_default_over_other_pdl", "fused", "fused_other_pdl", False),
                 ("graphed_dropout_default_over_other_pdl", "fused_dropout", "fused_dropout_other_pdl", False),

@@ -146,6 +146,27 @@ def _ds_sum_kernel(
     tl.store(out_ptrs, (acc * scale).to(ds_ptr.dtype.element_ty), mask=mask)
 
 
+def ds_db_blocks(meta: LoRABatchMeta, n_cols: int) -> tuple[int, int]:
+    """(columns of dY per column block, warps) of the one pass over `n_cols` columns:
+    `config.ds_db_block_n` on `config.ds_db_warps`, or blocks of half the columns on half the
+    warps (the registers a thread holds stay the same) where chunks of several row steps leave
+    SMs without a program and half the columns still make one wave at most
+    (`config.ds_db_fill_sms`).
+
+    At 2048 x 4096^2 the chunks of 1 and 4 x r16 (512 rows) run 64 programs of 256 columns on
+    132 SMs. Alone, the pass took 16.4-16.6 us on 128 columns and 4 warps against 18.3-18.6 on
+    256 and 8 (4 x r16, H200, three runs, KERNELS_NOTES v20, v32, v33); the layer, graphed,
+    0.991x and 0.993x its time (v38). At 2048 x 4096 -> 14336 x 1 r16 the halving made 112
+    programs 224, two waves, and the layer took 1.018x: hence one wave at most."""
+    cfg = meta.config
+    block_n, warps = cfg.ds_db_block_n, cfg.ds_db_warps
+    several_steps = meta.longest_chunk > cfg.db_block_m  # else the column groups take fewer programs
+    if cfg.ds_db_fill_sms and several_steps and block_n >= 32 and warps >= 2 \
+            and meta.n_chunks * cdiv(n_cols, block_n // 2) <= meta.sm_count:
+        block_n, warps = block_n // 2, warps // 2
+    return block_n, warps
+
+
 def ds_db_col_group(meta: LoRABatchMeta, n_col_blocks: int) -> int:
     """Column blocks per program of the one pass over dY: `config.ds_db_col_group` where every
     chunk is one row step (32 adapters of 64 rows at 2048 tokens), halved while the grid would
@@ -177,7 +198,8 @@ def lora_ds_db(
     M, N = dy.shape
     if meta.n_chunks == 0:
         return
-    n_col_blocks = cdiv(N, cfg.ds_db_block_n)
+    block_n, warps = ds_db_blocks(meta, N)
+    n_col_blocks = cdiv(N, block_n)
     col_group = ds_db_col_group(meta, n_col_blocks)
     n_parts = cdiv(n_col_blocks, col_group)  # dS partials: one per program of a chunk
     direct = meta.max_chunks_per_adapter <= 1
@@ -191,9 +213,9 @@ def lora_ds_db(
         dy.stride(0), s.stride(0),
         DIRECT=direct,
         BLOCK_M=cfg.db_block_m,
-        BLOCK_N=cfg.ds_db_block_n,
+        BLOCK_N=block_n,
         COL_GROUP=col_group,
-        num_warps=cfg.ds_db_warps,
+        num_warps=warps,
         num_stages=reduction_stages(meta, cfg.db_block_m),
         **common,
         **LAUNCH_OPTIONS,

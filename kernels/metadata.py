@@ -145,6 +145,9 @@ class KernelConfig:
     # (`ds_db.ds_db_col_group`): fewer dS partials to write and to add up; 0.98-0.99x the
     # layer's time at 2048 tokens of 32 adapters of rank 16 (KERNELS_NOTES v33)
     ds_db_col_group: int = 4
+    # the one pass on blocks of half the columns and warps where its chunks of several row steps
+    # leave SMs without a program and half the columns make one wave at most (`ds_db.ds_db_blocks`)
+    ds_db_fill_sms: bool = True
     # in a CUDA graph, the backward's dA (and, in two passes over dY, dB) on a second stream
     # beside the dS shrink and the dX GEMM, which need neither: median 0.98x the layer's GPU
     # time at 2048 tokens (to 0.94x), 0.99x at 16384; eagerly it costs the host more (v21)

@@ -221,6 +221,25 @@ def test_one_pass_over_dy_in_column_groups_matches_reference(out_f):
     check_against_reference(case, INTERPRET_CONFIG)
 
 
+@pytest.mark.parametrize("fill_sms", [True, False])
+def test_one_pass_over_dy_on_half_column_blocks_matches_reference(fill_sms):
+    # one adapter of 30 rows, a chunk of two row steps: on 32 columns a block the pass over dY
+    # runs 2 programs on the interpreter's 4 "SMs", so it takes blocks of 16 (`ds_db_blocks`),
+    # 3 programs for 40 columns, still one wave, the last block past the edge; the full blocks
+    # where that rule is off
+    from lora_sweep.kernels.ds_db import ds_db_blocks
+
+    config = dataclasses.replace(INTERPRET_CONFIG, ds_db_block_n=32, ds_db_warps=4, ds_db_fill_sms=fill_sms)
+    torch.manual_seed(3)
+    lora_a, lora_b = [torch.randn(7, 40, requires_grad=True)], [torch.randn(40, 7, requires_grad=True)]
+    case = (torch.randn(30, 40, requires_grad=True), torch.randn(40, 40), torch.randn(40), lora_a, lora_b, [2.0],
+            [0.1], [30], [5])
+    meta = _meta(case, config)
+    assert meta.n_chunks == 1 and meta.longest_chunk == 30
+    assert ds_db_blocks(meta, 40) == ((16, 2) if fill_sms else (32, 4))
+    check_against_reference(case, config)
+
+
 @pytest.mark.parametrize("config", ["fused", "lora_term_first", "cublas_base"])
 def test_matches_reference_above_one_rank_step(config):
     # ranks past the GEMM's rank step of 64 (`rank_blocks`): the LoRA term takes two and three steps

@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,ceil,gemm,main,lora,ragged,profile,timeline,host,power,blocks,tune]
                                  [--tokens 2048,16384] [--packs 4x64,32xmixed]
+    python benchmarks/kernels.py --targets-from benchmarks/results/kernels_h200_v38_main.json  (CPU: the targets, row by row)
 
 Sections:
   check  bf16 correctness vs a float64 reference on fresh random inputs (never zeros), over a
@@ -1941,7 +1942,13 @@ def print_table(res):
               f"{f:7.3f} {f / r['base']:6.2f} {r['fused_dropout']:7.3f} | {col('segref')} | {col('peft_loop')} | "
               f"{col('grouped_mm')} | {graphed}")
     print(json.dumps(res.get("summary", {}), indent=1))
-    for name, t in res.get("summary", {}).get("targets", {}).items():
+    print_targets(res.get("summary", {}))
+
+
+def print_targets(summary):
+    """`summary["targets"]` (`target_status`) as a short table: each target's count, then its
+    rows that no kernel can bring to it and those left open."""
+    for name, t in summary.get("targets", {}).items():
         print(f"\n== target {name}: met on {t['met']} of {t['of']} rows, unreachable on {len(t['unreachable'])}, "
               f"open on {len(t['open'])} ==")
         for label, why in t["unreachable"].items():
@@ -2044,7 +2051,17 @@ def main():
     ap.add_argument("--plot", default=None, help="draw the main rows into this PNG (`plot_main`)")
     ap.add_argument("--plot-from", default=None,
                     help="with --plot: comma-separated result JSONs whose main rows to draw; runs nothing on the GPU")
+    ap.add_argument("--targets-from", default=None,
+                    help="comma-separated result JSONs: summarise each again and print where the targets stand "
+                         "(`target_status`); runs nothing on the GPU")
     args = ap.parse_args()
+    if args.targets_from:
+        for path in args.targets_from.split(","):
+            res = json.load(open(path))
+            summarize(res)
+            print(f"\n{path}: {res['gpu']}, torch {res['torch']}, Triton {res['triton']}, {res['date']}")
+            print_targets(res["summary"])
+        return
     if args.plot_from:
         saved = [json.load(open(f)) for f in args.plot_from.split(",")]
         for res in saved:  # runs from before the per-pass floor: from their own copy rate

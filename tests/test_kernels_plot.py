@@ -50,3 +50,29 @@ def test_layer_rates_count_the_base_gemms_and_the_six_lora_products():
     assert abs(rates["fused_TFLOPs"] - (base + lora) / 1e-3 / 1e12) < 1e-9
     assert abs(rates["fused_TFLOPs_of_matmul_ceiling"] - rates["fused_TFLOPs"] / 800.0) < 1e-12
     assert row["graphed_rates"] is rates
+
+
+def test_target_status_tells_unreachable_rows_from_open_ones():
+    from benchmarks.kernels import target_status
+
+    def row(adapters, rank, fused, floor_ms, refs=None):  # the base takes 1 ms, graphed
+        return dict(tokens=2048, in_f=4096, out_f=4096, adapters=adapters, rank=rank, base_graphed=1.0,
+                    fused_graphed=fused, adapter_traffic_per_pass_floor_ms=floor_ms, refs_graphed=refs)
+
+    rows = [row(1, "16", 1.10, 0.01),  # met
+            row(32, "64", 1.30, 0.20),  # misses, but the adapters' bytes alone take 1.20x: unreachable
+            row(4, "16", 1.20, 0.15,  # misses with a floor of exactly 1.15x: open, by 50 us
+                refs=dict(base=1.0, fused=1.2, segref=2.9)),  # the reference under 3x the base: unreachable
+            row(16, "mixed", 1.12, 0.05, refs=dict(base=1.0, fused=1.12, segref=3.3)),  # 2.95x: open
+            row(32, "16", 1.08, 0.05, refs=dict(base=1.0, fused=1.08, segref=3.3))]  # 3.06x: met
+    status = target_status(rows)
+
+    first = status["within_1_15_of_base"]
+    assert (first["of"], first["met"]) == (5, 3)
+    assert first["unreachable"] == {"2048 x 4096->4096 x 32 64": 1.2}
+    assert first["open"] == {"2048 x 4096->4096 x 4 16": dict(over_base=1.2, floor=1.15, misses_by_us=50.0)}
+    second = status["3x_over_segref_4plus"]  # rows of 4 or more adapters with the reference timed
+    assert (second["of"], second["met"]) == (3, 1)
+    assert second["unreachable"] == {"2048 x 4096->4096 x 4 16": 2.9}
+    assert second["open"] == {"2048 x 4096->4096 x 16 mixed": dict(speedup=2.946, needs_layer_over_base=1.1,
+                                                                    layer_over_base=1.12)}

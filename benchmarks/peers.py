@@ -9,7 +9,9 @@ packed job:
            `benchmarks.peft_baseline.train_alone_with_peft`)
 * unsloth  the same through Unsloth's `FastLanguageModel.get_peft_model`, where `import unsloth`
            works (else recorded as unavailable, with the reason); dropout 0 only, its fast path
-* packed   one `PackedJob` holding the K adapters, in a process of its own
+* packed   one `PackedJob` holding the K adapters, in a process of its own; with `--profile`,
+           also the GPU's time in its step (`sweep_gpu.gpu_s_per_step`), the share of the step
+           the GPU is busy and the time per step it waits for the host
 
 Every trial: rank 16 (`--rank`) on all seven projections, batch 1, loss on every token, its own
 seed. Each process builds the model from its config with random bf16 weights (nothing is
@@ -253,7 +255,7 @@ def run_one(method: str, k: int, dropout: float, setup: dict) -> dict:
            "median_step_s": statistics.median(steps) if steps else None,
            "peak_reserved_gb_per_process": max((r.get("reserved_gb", 0.0) for r in reports), default=0.0),
            "peak_allocated_gb_per_process": max((r.get("peak_allocated_gb", 0.0) for r in reports), default=0.0),
-           "device": next((r["device"] for r in reports if "device" in r), "cpu"),
+           "device": next((r["device"] for r in reports if "device" in r), None),
            "reports": [{key: v for key, v in r.items() if key not in ("ends", "start")} for r in reports]}
     if method == "packed" and reports[0]["status"] == "ok":
         out["evictions"], out["microbatches"] = reports[0]["evictions"], reports[0]["microbatches"]
@@ -400,7 +402,7 @@ def main(argv=None) -> dict:
                     else:
                         run = run_one(method, k, dropout, setup)
                         too_big = k if run["status"] != "ok" else None
-                        result["gpu"] = result["gpu"] or run["device"]
+                        result["gpu"] = result["gpu"] or run["device"]  # "cpu" from the start in a dry run
                     result["runs"].append(run)
                     tps = f"{run['tokens_per_s']:.0f} tokens/s, " if run.get("tokens_per_s") else ""
                     print(f"{method} dropout {dropout:g} K={k}: {tps}{run['status']}", flush=True)

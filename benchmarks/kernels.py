@@ -42,6 +42,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 import types
 
 import torch
@@ -52,28 +53,19 @@ DRY = "--dry" in sys.argv
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"
 
-
-def _import_kernels():
-    """lora_sweep.kernels, installed or straight from this checkout (setup.cfg maps kernels/ into
-    the package); the fallback loads it under a bare `lora_sweep`, importing nothing else."""
-    try:
-        import lora_sweep.kernels as k
-
-        return k
-    except ImportError:
-        for name in [m for m in sys.modules if m == "lora_sweep" or m.startswith("lora_sweep.")]:
-            del sys.modules[name]
-    pkg = types.ModuleType("lora_sweep")
-    pkg.__path__ = [os.path.join(ROOT, "lora_sweep")]
-    sys.modules["lora_sweep"] = pkg
+try:
+    import lora_sweep.kernels as K
+except ImportError:  # not installed: the kernels straight from this checkout (setup.cfg maps kernels/ into
+    # the package), under a bare `lora_sweep` that imports nothing else
+    for name in [m for m in sys.modules if m == "lora_sweep" or m.startswith("lora_sweep.")]:
+        del sys.modules[name]
+    sys.modules["lora_sweep"] = types.ModuleType("lora_sweep")
+    sys.modules["lora_sweep"].__path__ = [os.path.join(ROOT, "lora_sweep")]
     spec = importlib.util.spec_from_file_location("lora_sweep.kernels", os.path.join(ROOT, "kernels", "__init__.py"),
                                                   submodule_search_locations=[os.path.join(ROOT, "kernels")])
-    mod = sys.modules["lora_sweep.kernels"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    K = sys.modules["lora_sweep.kernels"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(K)
 
-
-K = _import_kernels()
 from lora_sweep.kernels.metadata import config_for, fuses_base  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (3584, 18944)]  # (in, out): Llama-3-8B q/o, up/gate; Qwen2-7B up/gate
@@ -560,8 +552,6 @@ def main(argv=None):
         try:
             sections[section]()
         except Exception as e:  # recorded; the next sections still run
-            import traceback
-
             traceback.print_exc()
             res.setdefault("errors", {})[section] = f"{type(e).__name__}: {e}"[:1000]
         res.setdefault("section_seconds", {})[section] = time.time() - t

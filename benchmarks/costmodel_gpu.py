@@ -8,7 +8,7 @@ roofline memory model, not the calibrated one: it must hold before anything was 
 the calibrated step time with the median measured one. Samples are max_seq_len tokens
 long, the length the memory model plans for.
 
-    python -m benchmarks.costmodel_gpu --out benchmarks/results/costmodel_h200.json
+    python -m benchmarks.costmodel_gpu --out benchmarks/results/costmodel_gpu_h200.json
 """
 
 from __future__ import annotations

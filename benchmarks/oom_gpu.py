@@ -2,7 +2,7 @@
 (`torch.cuda.set_per_process_memory_fraction`) splits its steps into microbatches and every
 trial finishes with the losses of an unconstrained run.
 
-    python -m benchmarks.oom_gpu --out benchmarks/results/oom_h200.json
+    python -m benchmarks.oom_gpu --out benchmarks/results/oom_gpu_h200.json
 """
 
 from __future__ import annotations

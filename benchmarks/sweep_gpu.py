@@ -583,7 +583,7 @@ def refit(path: str) -> dict:
     if not run.get("peft_process_runs"):
         raise SystemExit(f"{path} has no cold PEFT probes to refit (it ran with --peft-in-process).")
     mean_tokens = run.get("mean_sample_tokens")
-    if mean_tokens is None:  # runs before it was recorded: the same rows, tokenised as the engine does
+    if mean_tokens is None:  # a run without it: the same rows, tokenised as the engine does
         from transformers import AutoModelForCausalLM
 
         samples, _ = tokenized(AutoModelForCausalLM.from_pretrained(tiny_model_path()),
@@ -795,7 +795,7 @@ def main():
 
 
 def summary(result: dict) -> dict:
-    """The numbers the targets are about: the best ratio at 16+ adapters and the best MFU of
+    """The headline numbers: the best ratio at 16+ adapters and the best MFU of
     every (model, seq, batch), and the makespan, kernel and tuner results."""
     best, best_mfu = {}, {}
     for r in result.get("throughput", []):

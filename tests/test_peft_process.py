@@ -62,12 +62,12 @@ def test_peft_cost_model_fits_the_steps_and_leaves_out_host_stalls():
 
 
 def test_refit_of_the_committed_cold_runs_predicts_within_15_percent():
-    """`sweep_gpu --refit` applies the fit above to saved H200 runs, as the README reports."""
+    """`sweep_gpu --refit` applies the fit above to the saved makespan runs (cold PEFT processes)."""
     import glob
 
     from benchmarks.sweep_gpu import refit
 
-    paths = sorted(glob.glob(os.path.join(REPO, "benchmarks", "results", "sweep_gpu_*_makespan*_cold*.json")))
+    paths = sorted(glob.glob(os.path.join(REPO, "benchmarks", "results", "sweep_gpu_*_makespan.json")))
     assert paths
     for path in paths:
         row = refit(path)

@@ -1,4 +1,5 @@
-# `make demo` and `make test` each set up .venv on a fresh machine.
+# `make demo` and `make test` each set up .venv on a fresh machine: the demo installs the
+# package alone (what a CPU needs), the tests add the extras (triton, optuna, ray, notebooks).
 # torch is pinned and installed first so that no range pulls a CUDA build.
 PY      ?= python3
 VENV    := .venv
@@ -12,6 +13,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e ".[test]"
 	touch $@
 
@@ -20,7 +25,7 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/lora-sweep demo
 
-test: venv
+test: $(VENV)/.installed-test
 	$(PYTHON) -m pytest -q tests
 
 bench-cpu: venv

@@ -164,7 +164,15 @@ class PackServer:
         A trial that Tune paused (or `Tuner.restore` brings back) joins again with `resume_step`,
         the step of the checkpoint Tune resumes it from, and that checkpoint's engine `state`:
         it continues exactly from there. Without a state it retrains deterministically from
-        step 0, and only the reports after `resume_step` go to Tune."""
+        step 0, and only the reports after `resume_step` go to Tune.
+
+        The state may come from another config: Population Based Training resumes an exploited
+        trial from its donor's checkpoint with mutated hyperparameters. The adapter then continues
+        from the donor's weights, AdamW moments and data cursor, and the new learning rate,
+        schedule, weight decay and the like apply from that step on
+        (`lora_sweep.engine.with_new_hyperparameters`); a new rank or batch size is "invalid"."""
+        from ..engine import with_new_hyperparameters
+
         cfg = TrialConfig.from_dict(config)
         tune_id = cfg.trial_id
         with self._cond:
@@ -173,8 +181,15 @@ class PackServer:
             joins = self._joins.get(tune_id, 0)
             if joins:  # its earlier stay may still be leaving the job, or have finished in it
                 cfg.trial_id = f"{tune_id}-resumed{joins}"
+            new_hyperparameters: list[str] = []
             try:
                 check_against_model(cfg, self.job.spec, self.job.module_shapes)
+                if state is not None:
+                    state = _load_state(state)
+                    saved, wanted = state["config"], cfg.to_dict()
+                    new_hyperparameters = sorted(k for k in wanted if k != "trial_id" and saved.get(k) != wanted[k])
+                    if new_hyperparameters:
+                        state = with_new_hyperparameters(state, cfg)
                 if not self._has_room(cfg):
                     return "full", ""
             except ConfigError as e:
@@ -183,9 +198,10 @@ class PackServer:
             self._slots[cfg.trial_id] = _Slot(cfg, tune_id, time.monotonic() + self.lease_seconds, resume_step)
             self._tickets[tune_id] = cfg.trial_id
             self._joins[tune_id] = joins + 1
-            self.job.add_trial(cfg, state=None if state is None else _load_state(state))
+            self.job.add_trial(cfg, state=state)
             self._record("join", tune_id, pack_mates=pack_mates, config={**cfg.to_dict(), "trial_id": tune_id},
-                         resume_step=resume_step, from_state=state is not None, proxy=proxy or {})
+                         resume_step=resume_step, from_state=state is not None,
+                         new_hyperparameters=new_hyperparameters, proxy=proxy or {})
             self._cond.notify_all()
         return "joined", cfg.trial_id
 
@@ -242,7 +258,8 @@ class PackServer:
     def history(self) -> list[dict]:
         """Every join and leave: time, event, trial_id (Tune's), pack_id, `active` (trials in
         the job after it); joins add `pack_mates` (trials already training), `config`,
-        `resume_step` and `proxy` (its pid and node); leaves add the `reason` (finished,
+        `resume_step`, `from_state`, `new_hyperparameters` (the config fields that differ from
+        the state it continues, as after a PBT exploit) and `proxy` (its pid and node); leaves add the `reason` (finished,
         failed, stopped, paused, errored, lease expired)."""
         with self._cond:
             return list(self._history)
@@ -279,7 +296,7 @@ class PackServer:
             slot = self._slots.get(event.trial_id)
             if slot is None or not slot.in_job:
                 return  # it left already; the engine drops it at this step
-        metrics = {**getattr(event, "metrics", {}), "pack_id": self.job.pack_id}
+        metrics = _tune_metrics(getattr(event, "metrics", {}), self.job.pack_id)
         if isinstance(event, Report):
             if event.step >= slot.cfg.max_steps or event.step <= slot.resume_step:
                 return  # Finished follows with the same metrics / Tune had it before a pause
@@ -376,6 +393,17 @@ class PackServer:
                               "pack_id": self.job.pack_id, "active": len(self._in_job()), **details})
 
 
+def _tune_metrics(metrics: dict, pack_id: str) -> dict:
+    """An engine report's metrics as Tune gets them: `eval_loss` first (Tune's progress table
+    shows the first four numbers of a result), the current learning rate as `lr` (the config's
+    `learning_rate` is the peak rate), and the pack."""
+    ordered = {k: metrics[k] for k in ("eval_loss", "train_loss", "step") if k in metrics}
+    if "learning_rate" in metrics:
+        ordered["lr"] = metrics["learning_rate"]
+    ordered.update((k, v) for k, v in metrics.items() if k not in ordered and k != "learning_rate")
+    return {**ordered, "pack_id": pack_id}
+
+
 def _memory_model(spec: JobSpec, device) -> Optional[Any]:
     """The planner's cost model for memory-based admission on a GPU; None on the CPU or when
     the planner cannot model this base model (then only `max_adapters` limits a pack)."""
@@ -413,8 +441,11 @@ def _run_trial(config: dict, settings: _ProxySettings) -> None:
     """The body of every Tune trial: join a pack, relay its messages to Tune, leave."""
     trial_id = tune.get_context().get_trial_id()
     cfg = TrialConfig.from_dict(config, trial_id=trial_id)  # a bad value: ConfigError, the trial is ERROR
+    resume_step, state = _resume_point(tune.get_checkpoint())
+    if resume_step >= cfg.max_steps:
+        return  # paused at its last report (synchronous PBT does that): it is done, Tune keeps that result
     servers = [ray.get_actor(name, namespace=NAMESPACE) for name in settings.server_names]
-    server, ticket = _join_a_pack(servers, cfg, *_resume_point(tune.get_checkpoint()), settings.poll_seconds)
+    server, ticket = _join_a_pack(servers, cfg, resume_step, state, settings.poll_seconds)
     heartbeat = _Heartbeat(server, ticket, settings.heartbeat_seconds)
     try:
         while True:
@@ -515,6 +546,11 @@ class _LeaveWhenTuneIsDone(tune.Callback):
     with `reuse_actors=True` may be much later: a stopped or paused trial's actor can wait
     in Tune's cache, its thread blocked in `tune.report`. This runs in Tune's driver at
     the end of every step of its loop.
+
+    It also copies a paused trial's result files to its storage folder: when the trial
+    starts again (resumed, or exploited by Population Based Training), Tune's loggers replace
+    the driver's result.json and progress.csv with the stored copies, which are only as new
+    as Tune's last sync, and the reports since then would be lost.
     """
 
     _REASONS = {"TERMINATED": "stopped", "PAUSED": "paused", "ERROR": "errored"}
@@ -531,13 +567,49 @@ class _LeaveWhenTuneIsDone(tune.Callback):
             elif trial.trial_id not in self._dropped:
                 self._dropped.add(trial.trial_id)
                 self._drop(trial.trial_id, reason)
+                if reason == "paused":
+                    _store_results(trial)
 
     def _drop(self, trial_id: str, reason: str) -> None:
         try:
-            servers = [ray.get_actor(name, namespace=NAMESPACE) for name in self.server_names]
-            ray.get([s.drop.remote(trial_id, reason) for s in servers], timeout=30)
-        except Exception:  # noqa: BLE001 - the proxy's `finally` or the lease frees the slot
-            logger.warning("could not tell the pack servers that trial %s is done", trial_id, exc_info=True)
+            ray.get([s.drop.remote(trial_id, reason) for s in self._servers()], timeout=30)
+        except Exception as e:  # noqa: BLE001 - the proxy's `finally` or the lease frees the slot
+            logger.warning("could not tell the pack servers that trial %s is done: %r", trial_id, e)
+
+    def _servers(self) -> list:
+        """The pack servers of this callback's executor or, when they are gone, those running now:
+        `Tuner.restore` brings back the callback of the run it restores, whose executor has ended."""
+        servers = [s for s in map(_named_actor, self.server_names) if s is not None]
+        if not servers:
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+            servers = [s for s in map(_named_actor, names) if s is not None]
+        return servers
+
+
+def _store_results(trial) -> None:
+    """Copy the trial's result.json and progress.csv from the driver to its storage folder."""
+    import pyarrow.fs
+    from ray.tune.result import EXPR_PROGRESS_FILE, EXPR_RESULT_FILE
+
+    filesystem = trial.storage.storage_filesystem
+    for name in (EXPR_RESULT_FILE, EXPR_PROGRESS_FILE):
+        local, stored = os.path.join(trial.local_path, name), f"{trial.path}/{name}"
+        if not os.path.exists(local):
+            continue
+        if isinstance(filesystem, pyarrow.fs.LocalFileSystem) and os.path.abspath(stored) == os.path.abspath(local):
+            continue  # the driver writes to the storage itself
+        try:
+            pyarrow.fs.copy_files(local, stored, destination_filesystem=filesystem)
+        except Exception as e:  # noqa: BLE001 - then Tune's own sync is all there is
+            logger.warning("could not store %s of paused trial %s: %r", name, trial.trial_id, e)
+
+
+def _named_actor(name: str):
+    """The actor of that name in our namespace, or None if there is none (any more)."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------- the executor
@@ -549,14 +621,22 @@ class PackedExecutor:
     By default there is one pack server per GPU of the cluster (one on the CPU when the
     cluster has none), spread over the nodes by Ray. Every Tune trial of `trainable` is a
     light proxy (0.1 CPU) that joins the least loaded pack with room and relays the adapter's
-    `eval_loss`, `train_loss`, `step`, `tokens_per_second`, `learning_rate` and `pack_id`
-    with a checkpoint that holds the adapter in PEFT format. A trial Tune stops leaves its
+    `eval_loss`, `train_loss`, `step`, `lr` (the current learning rate; the config's
+    `learning_rate` is the peak), `tokens_per_second` and `pack_id` with a checkpoint that
+    holds the adapter in PEFT format and its training state. A trial Tune stops leaves its
     pack at the next step and its slot goes to the next trial Tune starts.
+
+    Every scheduler works packed, Population Based Training included: an exploited trial
+    continues from its donor's adapter and optimizer state with the mutated learning rate,
+    weight decay, schedule, alpha or dropout from that step on; mutating `rank`, `batch_size`,
+    `gradient_accumulation_steps` or `target_modules` fails that trial with a message saying so.
 
     `run` calls `tune.run` with the right settings. With `tune.run` or `tune.Tuner` called
     directly, pass `executor.callback` (it frees a stopped trial's slot at once; without it
-    the proxy's exit or its lease does) and `max_concurrent_trials=executor.capacity`
-    (without it, trials beyond the capacity wait in their proxy for a free slot).
+    the proxy's exit or its lease does), `max_concurrent_trials=executor.capacity`
+    (without it, trials beyond the capacity wait in their proxy for a free slot) and a
+    `CheckpointConfig(num_to_keep=2)` (without it, Tune keeps every report's checkpoint;
+    leave it out under Population Based Training, see `run`).
 
     Example:
 
@@ -568,7 +648,8 @@ class PackedExecutor:
             executor.trainable, param_space={"rank": tune.choice([8, 16])},
             tune_config=tune.TuneConfig(num_samples=32, max_concurrent_trials=executor.capacity,
                                         reuse_actors=True, scheduler=ASHAScheduler(metric="eval_loss", mode="min")),
-            run_config=tune.RunConfig(callbacks=[executor.callback]),
+            run_config=tune.RunConfig(callbacks=[executor.callback],
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=2)),
         )
         results = tuner.fit()
 
@@ -664,10 +745,20 @@ class PackedExecutor:
 
     def run(self, **tune_run_kwargs):
         """`tune.run(self.trainable, **tune_run_kwargs)` with `self.callback` added and, by
-        default, `max_concurrent_trials` set to the packs' capacity and `reuse_actors=True`
-        (a freed slot is refilled in milliseconds instead of waiting for a new proxy process)."""
+        default, `max_concurrent_trials` set to the packs' capacity, `reuse_actors=True` (a
+        freed slot is refilled in milliseconds instead of waiting for a new proxy process) and
+        ``checkpoint_config=tune.CheckpointConfig(num_to_keep=2)``: each trial keeps its two
+        latest checkpoints (a paused trial resumes from the latest) instead of one per report.
+        Under Population Based Training (and PB2) Tune keeps them all, as Ray advises: PBT
+        restores exploited trials from their donors' checkpoints, and registers each of a
+        function trainable's checkpoints twice, so deleting old ones breaks its runs."""
+        from ray.tune.schedulers import PopulationBasedTraining
+
         tune_run_kwargs.setdefault("max_concurrent_trials", self.capacity)
         tune_run_kwargs.setdefault("reuse_actors", True)
+        if not ("keep_checkpoints_num" in tune_run_kwargs
+                or isinstance(tune_run_kwargs.get("scheduler"), PopulationBasedTraining)):
+            tune_run_kwargs.setdefault("checkpoint_config", tune.CheckpointConfig(num_to_keep=2))
         tune_run_kwargs["callbacks"] = [*(tune_run_kwargs.get("callbacks") or []), self.callback]
         return tune.run(self.trainable, **tune_run_kwargs)
 

@@ -2,7 +2,7 @@
 
     lora-sweep plan examples/sweep.yaml     # schedule a sweep (no GPU needed): table + Gantt chart
     lora-sweep demo                         # train a tiny packed sweep on this machine
-    lora-sweep run examples/sweep.yaml      # train a sweep
+    lora-sweep run examples/sweep.yaml      # train a sweep on this machine's GPUs (or the CPU)
 
 A sweep file (YAML) names the base model, the hardware and the trials; see
 `examples/sweep.yaml`. Its keys are in `SWEEP_KEYS`.
@@ -11,24 +11,26 @@ A sweep file (YAML) names the base model, the hardware and the trials; see
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any, Optional, Sequence
 
-from .config import ConfigError, TrialConfig
+from .config import ConfigError, JobSpec, TrialConfig
 from .space import Categorical, Float, random_configs
 
 SWEEP_KEYS = {
     # the base model and the job: what every trial shares
-    "model": "a preset (e.g. qwen2.5-7b), a hub id or local dir, or a dict of config fields",
+    "model": "a preset (e.g. qwen2.5-7b; `plan` only), a hub id or local dir, a dict of config fields (`plan` only), "
+             "or tiny (the bundled tiny model and task)",
     "max_seq_len": "longest sample in tokens (default 512)",
     "dtype": "bfloat16, float16, float32 or auto (default auto)",
     "gradient_checkpointing": "recompute base activations (default false)",
     "target_modules": "linear layers that get adapters (default all seven)",
-    # the hardware
+    # the hardware (`run` plans for this machine's GPUs instead: at most `gpus` of them)
     "gpus": "GPUs for the sweep (default 8)",
-    "gpu_memory_gb": "memory of each GPU (default 80)",
-    "gpu": "step-time profile, a name in lora_sweep.costmodel.GPUS (default h100-sxm)",
+    "gpu_memory_gb": "memory of each GPU (default 80; `plan` only)",
+    "gpu": "step-time profile, a name in lora_sweep.costmodel.GPUS (default h100-sxm; `plan` only)",
     "load_factor": "usable fraction of each GPU's memory (default 0.9)",
     # the trials
     "n_trials": "how many trials to draw from search_space (default 120)",
@@ -40,12 +42,13 @@ SWEEP_KEYS = {
     # the planner
     "max_adapters_per_job": "most trials in one job (default: memory decides)",
     "objective": "time, tokens or rank: what a job's throughput counts (default time: jobs fill up)",
-    "gantt": "where `plan` writes its chart (default <sweep>_plan.png)",
+    # where things go
+    "output_dir": "adapters, loss curves and the plan's chart go here (default lora_sweep_runs/<sweep file name>)",
+    "gantt": "file name of `plan`'s chart in output_dir (default plan.png)",
     # training (`run`)
-    "train_data": "training rows (.jsonl/.json)",
-    "eval_data": "evaluation rows (.jsonl/.json)",
-    "eval_every": "evaluate every this many steps",
-    "output_dir": "adapters and checkpoints go here",
+    "train_data": "training rows, .jsonl or .json (default with model tiny: the tiny task)",
+    "eval_data": "evaluation rows, .jsonl or .json (default with model tiny: the tiny task)",
+    "eval_every": "evaluate, report and draw a point every this many steps (default 50)",
 }
 
 
@@ -74,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="schedule a sweep into packed jobs; print them and draw a Gantt chart",
                                description="Schedule a sweep into packed jobs (no GPU needed).")
     plan.add_argument("sweep", help="the sweep YAML file")
-    plan.add_argument("--gantt", help="PNG path of the chart (default: the file's `gantt`, else <sweep>_plan.png)")
+    plan.add_argument("--gantt", help="PNG path of the chart (default: <output_dir>/<the file's `gantt` or plan.png>)")
     plan.add_argument("--gpus", type=int, help="override the file's `gpus`")
     plan.add_argument("--gpu-memory-gb", type=float, help="override the file's `gpu_memory_gb`")
     plan.add_argument("--gpu", help="override the file's `gpu` (step-time profile)")
@@ -95,7 +98,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-seq-len", type=int, help="default 24 for the tiny task, else 512")
     demo.set_defaults(func=_demo)
 
-    run = commands.add_parser("run", help="train the trials of a sweep file")
+    run = commands.add_parser(
+        "run", help="train a sweep on this machine's GPUs (or the CPU)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Plan a sweep for this machine's GPUs (or the CPU) and train it: each GPU trains its jobs\n"
+        "one after another in the plan's order; every job must fit one GPU. Prints the results table\n"
+        "with each trial's adapter directory and draws every trial's loss curves in\n"
+        "<output_dir>/loss_curves.png.\n\nSweep file keys (see examples/sweep.yaml):\n"
+        + "\n".join(f"  {k}: {v}" for k, v in SWEEP_KEYS.items()))
     run.add_argument("sweep", help="the sweep YAML file")
     run.set_defaults(func=_run)
     return parser
@@ -130,7 +140,8 @@ def _plan(args: argparse.Namespace) -> int:
           f"{cost_model.load_factor:g})")
     print(f"cost model: {cost_model.calibration.describe()}")
     print(result.table())
-    path = args.gantt or sweep.get("gantt") or os.path.splitext(os.path.basename(args.sweep))[0] + "_plan.png"
+    path = args.gantt or os.path.join(sweep["output_dir"], sweep.get("gantt") or "plan.png")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     result.gantt(path)
     print(f"Gantt chart: {path}")
     return 0
@@ -144,7 +155,8 @@ def _model_name(model: Any) -> str:
 
 
 def read_sweep(path: str) -> dict:
-    """Read a sweep YAML file and fill in the defaults (see `SWEEP_KEYS`).
+    """Read a sweep YAML file and fill in the defaults (see `SWEEP_KEYS`). ``model: tiny`` is
+    the bundled tiny model, with its task as the default data.
 
     Args:
         path:
@@ -165,7 +177,14 @@ def read_sweep(path: str) -> dict:
     if "model" not in sweep:
         raise ValueError(f"The sweep file {path!r} has no `model`: {SWEEP_KEYS['model']}.")
     defaults = dict(max_seq_len=512, dtype="auto", gradient_checkpointing=False, gpus=8, gpu_memory_gb=80,
-                    gpu="h100-sxm", load_factor=0.9, n_trials=120, seed=0, steps=200, objective="time")
+                    gpu="h100-sxm", load_factor=0.9, n_trials=120, seed=0, steps=200, objective="time",
+                    output_dir=os.path.join("lora_sweep_runs", os.path.splitext(os.path.basename(path))[0]))
+    if sweep["model"] == "tiny":
+        from .tiny import tiny_model_path, tiny_task_paths
+
+        train, dev = tiny_task_paths()
+        defaults.update(train_data=train, eval_data=dev, max_seq_len=64)
+        sweep["model"] = tiny_model_path()
     return {**defaults, **sweep}
 
 
@@ -238,8 +257,7 @@ DEMO_SPACE = {
 def _demo(args: argparse.Namespace) -> int:
     import shutil
 
-    from .config import JobSpec
-    from .engine import Failed, Finished, PackedJob
+    from .plots import LossCurves
     from .tiny import tiny_model_path, tiny_task_paths
 
     tiny = args.model is None
@@ -254,30 +272,135 @@ def _demo(args: argparse.Namespace) -> int:
         t.trial_id = f"trial-{i}"
     print(f"Training {len(trials)} LoRA trials packed on one base model, {spec.model_name} "
           f"({args.steps} steps each)...")
-    job = PackedJob(spec, trials)
-    results = {}
-    for event in job.run():
-        if isinstance(event, Finished):
-            results[event.trial_id] = event
-        elif isinstance(event, Failed):
-            print(f"  {event.trial_id} failed: {event.reason}")
-
-    by_id = {t.trial_id: t for t in trials}
-    metric = "eval_loss" if spec.eval_data is not None else "train_loss"
-    ranked = sorted(results.values(), key=lambda e: e.metrics[metric])
-    print(_table(["trial", "rank", "alpha", "lr", "batch", metric.replace("_", " "), "tokens/s"],
-                 [[e.trial_id, by_id[e.trial_id].rank, f"{by_id[e.trial_id].alpha:g}",
-                   f"{by_id[e.trial_id].learning_rate:.2e}", by_id[e.trial_id].batch_size,
-                   f"{e.metrics[metric]:.3f}", f"{e.metrics['tokens_per_second']:,.0f}"] for e in ranked]))
+    curves, results = LossCurves(), {}
+    _train_job(spec, trials, curves, results)
+    ranked = _print_results(spec, trials, results, curves, adapters=False)
     if not ranked:
         return 1
+    metric = _metric(spec)
     best = os.path.join(args.output_dir, "best_adapter")
     shutil.copytree(ranked[0].adapter_dir, best, dirs_exist_ok=True)
     print(f"\nBest: {ranked[0].trial_id} ({metric.replace('_', ' ')} {ranked[0].metrics[metric]:.3f}, worst "
           f"{ranked[-1].metrics[metric]:.3f}). Its PEFT adapter is in {best}:\n"
           f"  from peft import PeftModel\n"
+          f"  from transformers import AutoModelForCausalLM\n"
           f"  model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({spec.model_name!r}), {best!r})")
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import threading
+
+    import torch
+
+    from .costmodel import CostModel
+    from .planner import plan
+    from .plots import LossCurves
+
+    sweep = read_sweep(args.sweep)
+    spec = sweep_spec(sweep)
+    trials = sweep_trials(sweep)
+    # Plan for this machine: its GPUs (at most the file's `gpus`) and their measured memory, or the CPU.
+    devices = min(sweep["gpus"], torch.cuda.device_count())
+    cost_model = CostModel.from_model(spec, None, load_factor=sweep["load_factor"])
+    result = plan(None, trials, max(1, devices), cost_model=cost_model,
+                  max_adapters_per_job=sweep.get("max_adapters_per_job"), objective=sweep["objective"])
+    wide = [k for k, job in enumerate(result.jobs) if job.num_gpus > 1]
+    if wide:
+        raise ValueError(f"The plan puts job(s) {wide} on more than one GPU (the model does not fit one with its "
+                         "trials); `lora-sweep run` trains one GPU per job: lower `max_seq_len`, set "
+                         "`gradient_checkpointing: true` or use smaller trials.")
+    where = f"{devices} x {cost_model.gpu.name}" if devices else "the CPU"
+    print(f"{len(trials)} trials of {spec.model_name} on {where}, {len(result.jobs)} packed job(s):")
+    print(result.table())
+
+    # Each device trains its jobs one after another, in the plan's order; devices run side by side.
+    queues: dict[str, list] = {}
+    for job in sorted(result.jobs, key=lambda j: (j.start, j.gpu_ids)):
+        device = f"cuda:{job.gpu_ids[0]}" if devices else "cpu"
+        queues.setdefault(device, []).append(job)
+    curves, results, errors = LossCurves(), {}, []
+    lock = threading.Lock()
+
+    def train_on(device: str) -> None:
+        try:
+            for job in queues[device]:
+                _train_job(dataclasses.replace(spec, device=device), job.trials, curves, results, lock)
+        except Exception as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=train_on, args=(d,), name=f"lora-sweep-{d}") for d in queues]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    ranked = _print_results(spec, trials, results, curves, adapters=True)
+    return 0 if len(ranked) == len(trials) else 1
+
+
+def sweep_spec(sweep: dict) -> JobSpec:
+    """The `JobSpec` that `lora-sweep run` trains a sweep's trials with.
+
+    Args:
+        sweep:
+            A sweep from `read_sweep`.
+
+    Returns:
+        The spec.
+    """
+    from .costmodel import PRESETS
+
+    model = sweep["model"]
+    if not isinstance(model, str) or model in PRESETS:
+        raise ValueError(f"The value of `model` is {model!r}: `plan` models it from its shape alone, but `run` "
+                         "needs its weights: a hub id (e.g. Qwen/Qwen2.5-7B), a local directory or `tiny`.")
+    if not sweep.get("train_data"):
+        raise ValueError("The sweep file has no `train_data`: `run` needs " + SWEEP_KEYS["train_data"] + ".")
+    return JobSpec(base_model=model, train_data=sweep["train_data"], eval_data=sweep.get("eval_data"),
+                   max_seq_len=sweep["max_seq_len"], dtype=sweep["dtype"],
+                   gradient_checkpointing=sweep["gradient_checkpointing"], output_dir=sweep["output_dir"],
+                   **{k: sweep[k] for k in ("target_modules", "eval_every") if sweep.get(k) is not None})
+
+
+def _train_job(spec, trials: list[TrialConfig], curves, results: dict, lock: Optional[Any] = None) -> None:
+    """Train one packed job to its end; its reports go to `curves`, its Finished events to `results`."""
+    import contextlib
+
+    from .engine import Failed, Finished, PackedJob
+
+    job = PackedJob(spec, trials)
+    for event in job.run():
+        with lock or contextlib.nullcontext():
+            curves.add(event)
+            if isinstance(event, Finished):
+                results[event.trial_id] = event
+            elif isinstance(event, Failed):
+                print(f"  {event.trial_id} failed: {event.reason}")
+
+
+def _metric(spec) -> str:
+    return "eval_loss" if spec.eval_data is not None else "train_loss"
+
+
+def _print_results(spec, trials: list[TrialConfig], results: dict, curves, adapters: bool) -> list:
+    """Print the finished trials, best first, and draw their loss curves beside the table."""
+    by_id = {t.trial_id: t for t in trials}
+    metric = _metric(spec)
+    ranked = sorted(results.values(), key=lambda e: e.metrics[metric])
+    header = ["trial", "rank", "alpha", "lr", "batch", metric.replace("_", " "), "tokens/s"]
+    rows = [[e.trial_id, by_id[e.trial_id].rank, f"{by_id[e.trial_id].alpha:g}",
+             f"{by_id[e.trial_id].learning_rate:.2e}", by_id[e.trial_id].batch_size,
+             f"{e.metrics[metric]:.3f}", f"{e.metrics['tokens_per_second']:,.0f}"] for e in ranked]
+    if adapters:
+        header.append("adapter")
+        for row, e in zip(rows, ranked):
+            row.append(e.adapter_dir)
+    print(_table(header, rows))
+    if curves.points:
+        print(f"Loss curves: {curves.save(os.path.join(spec.output_dir, 'loss_curves.png'))}")
+    return ranked
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -285,10 +408,6 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
-
-
-def _run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("`lora-sweep run` is not available yet; use PackedJob or the tuner integrations.")
 
 
 if __name__ == "__main__":

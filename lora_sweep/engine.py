@@ -92,6 +92,31 @@ def _same_config(saved: dict, cfg: TrialConfig) -> bool:
     return {**saved, "trial_id": None} == {**cfg.to_dict(), "trial_id": None}
 
 
+# What a trial's state fixes besides its values: the adapter's shapes (rank, the layers it
+# adapts) and what one step consumes (batch size, accumulation window).
+FIXED_BY_STATE = ("rank", "target_modules", "batch_size", "gradient_accumulation_steps")
+
+
+def with_new_hyperparameters(state: dict, cfg: TrialConfig) -> dict:
+    """A trial's state (from `PackedJob.trial_state`) made to continue under `cfg`: the same
+    weights, AdamW moments, data cursor and step count, with `cfg`'s learning rate, schedule,
+    weight decay, alpha, dropout, max_steps and the like applying from that step on, as
+    Population Based Training's exploit-and-explore wants. Give it to
+    ``add_trial(cfg, state=...)``.
+
+    Raises:
+        ConfigError: `cfg` changes a field the state fixes (`FIXED_BY_STATE`).
+    """
+    saved, wanted = state["config"], cfg.to_dict()
+    for name in FIXED_BY_STATE:
+        if saved[name] != wanted[name]:
+            raise ConfigError(f"{'Trial %r: ' % cfg.trial_id if cfg.trial_id else ''}the state to continue from "
+                              f"has `{name}` = {saved[name]!r}, but the new config has {wanted[name]!r}; a trial "
+                              f"continues with new hyperparameters only if {', '.join(FIXED_BY_STATE)} stay the "
+                              "same: change those in a new trial.", field=name, trial_id=cfg.trial_id)
+    return {**state, "config": wanted}
+
+
 class _DoesNotFit(Exception):
     """A step ran out of memory with a single sample in every microbatch."""
 

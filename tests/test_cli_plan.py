@@ -55,7 +55,7 @@ def test_plan_explicit_trials_and_a_dict_model(tmp_path, capsys, monkeypatch):
     with pytest.warns(UserWarning, match="'huge'"):
         assert main(["plan", str(path), "--gpus", "1"]) == 0
     out = capsys.readouterr().out
-    assert _is_png(tmp_path / "sweep_plan.png")  # default: <sweep>_plan.png here
+    assert _is_png(tmp_path / "lora_sweep_runs" / "sweep" / "plan.png")  # default: <output_dir>/plan.png
     assert "small(16/4)" in out and "t001(64/2)" in out and "failed: Trial 'huge': needs" in out
     assert "on 1 x l4 (24 GB" in out
 

@@ -1,11 +1,14 @@
 """Ray Tune integration on a real local Ray instance: packing, ASHA refills, equality with the
-engine alone, Optuna with median stopping, per-trial errors, pause and resume, a proxy that dies.
+engine alone, Optuna with median stopping, per-trial errors, pause and resume, Population Based
+Training, a proxy that dies, a callback whose pack servers are gone.
 
 One `ray.init` and one `PackedExecutor` (one CPU pack server, 3 slots) serve the whole module.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 import signal
@@ -16,13 +19,15 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray import tune  # noqa: E402
-from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule, TrialScheduler  # noqa: E402
+from ray.tune.experimental.output import _infer_user_metrics  # noqa: E402
+from ray.tune.schedulers import (  # noqa: E402
+    ASHAScheduler, FIFOScheduler, MedianStoppingRule, PopulationBasedTraining, TrialScheduler)
 from ray.tune.search import Searcher  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import lora_sweep as ls  # noqa: E402
-from lora_sweep.engine import Finished, PackedJob, Report  # noqa: E402
-from lora_sweep.integrations.ray_tune import PackedExecutor  # noqa: E402
+from lora_sweep.engine import Finished, PackedJob, Report, with_new_hyperparameters  # noqa: E402
+from lora_sweep.integrations.ray_tune import PackedExecutor, _LeaveWhenTuneIsDone  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -107,6 +112,8 @@ def test_asha_sweep_packs_trials_and_refills_stopped_slots(executor, tmp_path):
     for t in analysis.trials:
         files = os.listdir(t.checkpoint.path)
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(files)
+        # `run` keeps two checkpoints per trial, not one per report
+        assert len([d for d in os.listdir(t.local_path) if d.startswith("checkpoint_")]) <= 2
 
 
 def test_tune_eval_loss_equals_the_engine_alone(executor, spec, tmp_path):
@@ -251,3 +258,62 @@ def test_paused_trials_resume_where_tune_left_them(executor, spec, tmp_path):
         job = PackedJob(spec, [ls.TrialConfig.from_dict(t.config)], progress=False)
         alone = [e.metrics["eval_loss"] for e in job.run() if isinstance(e, Finished)]
         assert math.isclose(t.last_result["eval_loss"], alone[0], rel_tol=1e-6)
+
+
+def result_rows(trial) -> list[dict]:
+    """The trial's result.json, one row per report Tune logged."""
+    with open(os.path.join(trial.local_path, "result.json")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_population_based_training_continues_exploited_trials_with_the_new_learning_rate(executor, tmp_path):
+    """Synchronous PBT pauses every trial at a perturbation until all got there, then restarts
+    the worst from the best one's checkpoint with a mutated learning rate: that adapter goes on
+    from the donor's step with the new rate, and every report stays in result.json."""
+    start = time.time()
+    new_lr = 5e-3
+    pbt = PopulationBasedTraining(time_attr="training_iteration", metric="eval_loss", mode="min", synch=True,
+                                  perturbation_interval=2, quantile_fraction=0.5, resample_probability=1.0,
+                                  hyperparam_mutations={"learning_rate": [new_lr]})
+    analysis = executor.run(config=trial(learning_rate=tune.grid_search([1e-2, 1e-5, 2e-5])), scheduler=pbt,
+                            storage_path=str(tmp_path), verbose=0)
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    exploits = [e for e in executor.history()
+                if e["time"] > start and e["event"] == "join" and e["new_hyperparameters"]]
+    assert exploits and all(e["new_hyperparameters"] == ["learning_rate"] and e["from_state"] for e in exploits)
+    assert len(exploits) == 1 and exploits[0]["resume_step"] == 10 and exploits[0]["config"]["learning_rate"] == new_lr
+
+    for t in analysis.trials:
+        rows = result_rows(t)
+        assert [r["step"] for r in rows] == [5, 10, 15, 20], (t.trial_id, rows)  # none lost at the pause
+        assert "learning_rate" not in rows[-1] and "eval_loss" in _infer_user_metrics([t])
+    for e in exploits:
+        rows = result_rows(next(t for t in analysis.trials if t.trial_id == e["trial_id"]))
+        for r in rows:
+            if r["step"] > e["resume_step"]:  # the donor's optimizer step count, the new peak rate
+                assert math.isclose(r["lr"], new_lr * (1 - r["step"] / 20), rel_tol=1e-6), r
+
+
+def test_a_new_rank_cannot_continue_a_state(spec):
+    cfg = ls.TrialConfig(rank=4, alpha=8.0, dropout=0.0, batch_size=2, max_steps=4, trial_id="a")
+    job = PackedJob(spec, [cfg], progress=False)
+    job.step()
+    state = job.trial_state("a")
+    moved = with_new_hyperparameters(state, ls.TrialConfig(**{**cfg.to_dict(), "learning_rate": 1e-3}))
+    assert moved["config"]["learning_rate"] == 1e-3 and moved["optimizer"] is state["optimizer"]
+    with pytest.raises(ls.ConfigError, match="`rank` = 4, but the new config has 8"):
+        with_new_hyperparameters(state, ls.TrialConfig(**{**cfg.to_dict(), "rank": 8}))
+
+
+def test_a_callback_whose_pack_servers_are_gone_is_quiet(executor, tmp_path, caplog):
+    """`Tuner.restore` brings back the callback of the run it restores; its executor's pack
+    servers are gone, so it tells the ones running now."""
+    stale = _LeaveWhenTuneIsDone(("lora_sweep-gone-0",))
+    tuner = tune.Tuner(executor.trainable, param_space=trial(max_steps=5),
+                       tune_config=tune.TuneConfig(num_samples=1),
+                       run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0, callbacks=[stale]))
+    with caplog.at_level(logging.WARNING, logger="lora_sweep"):
+        (result,) = tuner.fit()
+    assert result.error is None and result.metrics["step"] == 5
+    assert not [r for r in caplog.records if r.name.startswith("lora_sweep")], caplog.text
+    assert len(stale._servers()) == len(executor.servers)  # the live ones

@@ -2,10 +2,10 @@
 keep-mask and its stored copy. Not kernels themselves; each kernel file imports what it
 needs.
 
-The keep-mask is drawn once, by the forward shrink, which also stores it: one uint8 nibble
-per group of four columns ([tokens, ceil(in / 4)], bit w = column 4 g + w, the layout Philox
-draws them in, so storing and loading need no shuffles). Philox costs more than reading x
-itself, and the backward needs the mask twice (dA and dX).
+The keep-mask is drawn once, by the forward shrink, which also stores it as "nibbles": one
+uint8 holding four bits, one per column of a group of four ([tokens, ceil(in / 4)], bit w =
+column 4 g + w, the layout Philox draws them in, so storing and loading need no shuffles).
+Philox costs more than reading x itself, and the backward needs the mask twice (dA and dX).
 
 The per-adapter table is laid out by `metadata.LoRABatchMeta` (column indices there).
 """
@@ -124,25 +124,21 @@ def store_nibbles(nibbles_ptr, nibbles, rows, row_mask, col0, n_groups, BLOCK_CO
 
 
 @triton.jit
-def load_keep_mask(nibbles_ptr, rows, row_mask, col0, n_groups, BLOCK_COLS: tl.constexpr,
-                   SPREAD: tl.constexpr = False):
+def load_keep_mask(nibbles_ptr, rows, row_mask, col0, n_groups, BLOCK_COLS: tl.constexpr):
     """The bool keep-mask [rows.shape[0], BLOCK_COLS] from the nibbles `store_nibbles` stored.
 
-    SPREAD (the backward's default, `KernelConfig.spread_mask`) copies each nibble to its four
-    columns and lets each column shift its own bit out: the mask then comes out in the layout
-    of a plain [rows, BLOCK_COLS] load, and only the small nibble tile changes layout. Joining
-    the four bits back (`nibbles_to_mask`) gives a layout of its own, into which the compiler
-    converted dA's x tile through shared memory on every row step (KERNELS_NOTES v13, v14).
-    The forward shrink draws its nibbles from Philox in registers and joins them (`keep_mask`):
-    spread there, it ran 20-40% slower (v13)."""
+    Each nibble is copied to its four columns and each column shifts its own bit out: the
+    mask then comes out in the layout of a plain [rows, BLOCK_COLS] load, and only the small
+    nibble tile changes layout. Joining the four bits back (`nibbles_to_mask`) gives a layout
+    of its own, into which the compiler converts the x tile it masks through shared memory on
+    every row step. The forward shrink draws its nibbles from Philox in registers and joins
+    them (`keep_mask`): spread there, it runs slower."""
     offs_g = col0 // 4 + tl.arange(0, BLOCK_COLS // 4)
     nibbles = tl.load(nibbles_ptr + rows[:, None] * n_groups + offs_g[None, :],
                       mask=row_mask[:, None] & (offs_g < n_groups)[None, :], other=0).to(tl.int32)
-    if SPREAD:
-        spread = tl.broadcast_to(nibbles[:, :, None], (nibbles.shape[0], BLOCK_COLS // 4, 4))
-        spread = tl.reshape(spread, (nibbles.shape[0], BLOCK_COLS))
-        return ((spread >> (tl.arange(0, BLOCK_COLS) % 4)[None, :]) & 1) != 0
-    return nibbles_to_mask(nibbles, BLOCK_COLS)
+    spread = tl.broadcast_to(nibbles[:, :, None], (nibbles.shape[0], BLOCK_COLS // 4, 4))
+    spread = tl.reshape(spread, (nibbles.shape[0], BLOCK_COLS))
+    return ((spread >> (tl.arange(0, BLOCK_COLS) % 4)[None, :]) & 1) != 0
 
 
 @triton.jit

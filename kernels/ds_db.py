@@ -13,7 +13,7 @@ atomics: the gradients are deterministic, as on the two-pass path.
 
 The partials cost 8 * rank_stride bytes per row per column block (written, then read),
 against the 2 * out bytes per row of dY's second read: a win for rank blocks of 16 only,
-which is where `config_for` turns it on (`KernelConfig.one_pass_dy`; KERNELS_NOTES v11).
+which is where `config_for` turns it on (`KernelConfig.one_pass_dy`).
 Where every chunk is a single row step (32 adapters of 64 rows at 2048 tokens), a program
 takes a group of column blocks (`ds_db_col_group`) and writes one dS partial for all of
 them, so the sum adds a quarter as many.
@@ -150,18 +150,16 @@ def ds_db_blocks(meta: LoRABatchMeta, n_cols: int) -> tuple[int, int]:
     """(columns of dY per column block, warps) of the one pass over `n_cols` columns:
     `config.ds_db_block_n` on `config.ds_db_warps`, or blocks of half the columns on half the
     warps (the registers a thread holds stay the same) where chunks of several row steps leave
-    SMs without a program and half the columns still make one wave at most
-    (`config.ds_db_fill_sms`).
+    SMs without a program and half the columns still make one wave at most.
 
     At 2048 x 4096^2 the chunks of 1 and 4 x r16 (512 rows) run 64 programs of 256 columns on
-    132 SMs. Alone, the pass took 16.4-16.6 us on 128 columns and 4 warps against 18.3-18.6 on
-    256 and 8 (4 x r16, H200, three runs, KERNELS_NOTES v20, v32, v33); the layer, graphed,
-    0.991x and 0.993x its time (v38). At 2048 x 4096 -> 14336 x 1 r16 the halving made 112
-    programs 224, two waves, and the layer took 1.018x: hence one wave at most."""
+    132 SMs, and the pass runs faster on 128 columns and 4 warps. At 2048 x 4096 -> 14336 x
+    1 r16 the halving would make 112 programs 224, two waves, and the layer slower: hence one
+    wave at most."""
     cfg = meta.config
     block_n, warps = cfg.ds_db_block_n, cfg.ds_db_warps
     several_steps = meta.longest_chunk > cfg.db_block_m  # else the column groups take fewer programs
-    if cfg.ds_db_fill_sms and several_steps and block_n >= 32 and warps >= 2 \
+    if several_steps and block_n >= 32 and warps >= 2 \
             and meta.n_chunks * cdiv(n_cols, block_n // 2) <= meta.sm_count:
         block_n, warps = block_n // 2, warps // 2
     return block_n, warps

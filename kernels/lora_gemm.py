@@ -8,18 +8,17 @@ The LoRA term and the base GEMM share one fp32 accumulator, so the output is wri
 rows, whichever adapters they hold, and adds the LoRA term tile by tile (`metadata`: a tile
 is one adapter's rows within a row block), each tile's rows of S times its own adapter's
 matrix. So segments are never padded to the block height; a block holding several
-segments costs each further one its own LoRA steps, whose loads nothing hides (up to 10% of
-one GEMM at rank 128, KERNELS_NOTES v17). An unmasked term (the forward's, and dX's when no
-adapter has dropout) is added after the K loop (`KernelConfig.lora_term_last`; 1.3% less
-layer time than before it, median, KERNELS_NOTES v16; loading its first operands before the
-loop, as until v27, made no difference at one clock). dX's masked term (the nibbles the
+segments costs each further one its own LoRA steps, whose loads nothing hides. An unmasked
+term (the forward's, and dX's when no adapter has dropout) is added after the K loop, so that
+the loop may run before S (dS) is written (`KernelConfig.pdl`, below). dX's masked term (by the keep-mask nibbles the
 forward shrink stored) is computed first, before the accumulator holds anything else:
 masking it later would take a second accumulator. Its base operands arrive through TMA
 descriptors (Hopper's bulk tensor copies, zero-filled past the edges): with them the GEMM
-runs within 3-5% of cuBLAS, where pointer-based loads reached ~75%. `_lora_add_kernel`
-instead adds the LoRA term in place to a base product cuBLAS already wrote to `out` (one
-extra read and write of it): for operands TMA cannot describe, and for 32-bit inputs, whose
-fused dot would run in TF32.
+runs within 3-5% of cuBLAS, where pointer-based loads reach about 75%. The grid is
+persistent (`_schedule`). `_lora_add_kernel` instead adds the LoRA term in place to a base
+product cuBLAS already wrote to `out` (one extra read and write of it): for operands TMA
+cannot describe, for 32-bit inputs, whose fused dot would run in TF32, and on the GPUs whose
+MMA cannot hold the fused GEMM's accumulator (`metadata.fuses_base`).
 
 On Hopper the GEMM is launched with programmatic dependent launch (`KernelConfig.pdl`): it
 may start while the kernel before it (the one that writes S or dS: a shrink, or the sum of
@@ -27,10 +26,9 @@ dS's partials) still runs, on the SMs that kernel leaves free, and its K loop re
 (dY) and W; it waits for that kernel before it reads S (dS) or writes anything.
 
 On Hopper the fused GEMM runs in Gluon instead (`lora_gemm_gluon.py`, `KernelConfig.gluon_gemm`):
-warp-specialised, its loads pipelined across tiles, the LoRA term one more wgmma; the layer
-takes 0.95x its time with this kernel at 16384 tokens, 0.96x at 2048, with dropout or
-without (medians, KERNELS_NOTES v29). This kernel runs on the GPUs before Hopper, for
-32-bit inputs, and in CI's CPU checks.
+warp-specialised, its loads pipelined across tiles, the LoRA term one more wgmma. This
+kernel runs the fused GEMM where that one does not (datacenter Blackwell, Triton releases
+the Gluon kernel was not checked with), and in CI's CPU checks.
 
 The LoRA MMAs run on the base operand's dtype (bf16 on GPU: S/dS are stored in it and the
 adapters are packed in it per call) with fp32 accumulation. The rank loop steps over each
@@ -49,8 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._triton_common import load_adapter, load_keep_mask, load_row_block, wait_for_previous_kernel
 from .dropout import dropout_keep_mask
 from .lora_gemm_gluon import lora_gemm_gluon
-from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, KernelConfig, LoRABatchMeta, cdiv,
-                       sm_count, tma_ready)
+from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, sm_count, tma_ready
 
 
 @triton.jit
@@ -76,8 +73,7 @@ def _lora_gemm_kernel(
     stride_sm,
     stride_om,
     FORWARD: tl.constexpr,  # Y: scale_i, W read as [N, K]; else dX: W read as [K, N]
-    OUT_DROPOUT: tl.constexpr,  # mask the LoRA term with the adapter's dropout mask (backward)
-    SPREAD_MASK: tl.constexpr,  # read that mask spread over the columns (`load_keep_mask`)
+    OUT_DROPOUT: tl.constexpr,  # mask the LoRA term with the adapter's dropout mask (backward): added first
     HAS_BIAS: tl.constexpr,
     N_INT_COLS: tl.constexpr,
     N_FLOAT_COLS: tl.constexpr,
@@ -88,7 +84,6 @@ def _lora_gemm_kernel(
     GROUP_M: tl.constexpr,  # row blocks per L2 group (triton tutorial 03's grouped ordering)
     K_STAGES: tl.constexpr,  # software-pipeline depth of the K loop
     WARP_SPECIALIZE: tl.constexpr,  # split the K loop's warps into loaders and MMA issuers
-    LORA_LAST: tl.constexpr,  # the LoRA term after the K loop (no mask)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (`KernelConfig.pdl`)
 ):
     """The fused path: out = the row block's LoRA terms + the base GEMM (+ bias), written once."""
@@ -100,13 +95,13 @@ def _lora_gemm_kernel(
         n_mask = offs_n < N
         # an unmasked LoRA term comes after the K loop; a masked one first, as it would need an
         # accumulator of its own later
-        if LORA_LAST:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        else:
-            wait_for_previous_kernel(PDL)  # it wrote S or dS
+        if OUT_DROPOUT:
+            wait_for_previous_kernel(PDL)  # it wrote dS
             acc, _ = _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,
                                 first_tile, end_tile, offs_m, n0, N, n_groups, stride_sm, FORWARD, OUT_DROPOUT,
-                                SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
+                                N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # the base product accumulates on top of it; rows past M are zeros from TMA, never stored
         for ki in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=K_STAGES, warp_specialize=WARP_SPECIALIZE):
             at = a_desc.load([row_start, ki * BLOCK_K])
@@ -114,7 +109,7 @@ def _lora_gemm_kernel(
                 acc = tl.dot(at, w_desc.load([n0, ki * BLOCK_K]).T, acc)
             else:
                 acc = tl.dot(at, w_desc.load([ki * BLOCK_K, n0]), acc)
-        if LORA_LAST:  # tile by tile: each of the block's adapters adds its rows' term
+        if not OUT_DROPOUT:  # tile by tile: each of the block's adapters adds its rows' term
             # The K loop read only x (dY) and W, written before the kernel before this one
             # (the shrink or the dS sum) started; its S (dS) is read from here on.
             wait_for_previous_kernel(PDL)
@@ -141,7 +136,6 @@ def _lora_add_kernel(
     stride_om,
     FORWARD: tl.constexpr,
     OUT_DROPOUT: tl.constexpr,
-    SPREAD_MASK: tl.constexpr,
     N_INT_COLS: tl.constexpr,
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -154,7 +148,7 @@ def _lora_add_kernel(
     offs_m, offs_n, first_tile, end_tile = _row_block(block_tiles_ptr, block, n0, BLOCK_M, BLOCK_N)
     acc, block_rank = _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr,
                                  first_tile, end_tile, offs_m, n0, N, n_groups, stride_sm, FORWARD, OUT_DROPOUT,
-                                 SPREAD_MASK, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
+                                 N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_N, BLOCK_R)
     if block_rank > 0:  # a block without LoRA has its result in `out` already
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -186,8 +180,8 @@ def _row_block(block_tiles_ptr, block, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 @triton.jit
 def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr, seeds_ptr, first_tile, end_tile,
                offs_m, n0, N, n_groups, stride_sm, FORWARD: tl.constexpr, OUT_DROPOUT: tl.constexpr,
-               SPREAD_MASK: tl.constexpr, N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+               N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_R: tl.constexpr):
     """A row block's LoRA term in fp32, tile by tile: each tile's rows of S times its own
     adapter's L_i[:, n block] over that adapter's rank, then each row times its adapter's
     scale_i (forward) or masked by its adapter's dropout (backward); zeros in rows of
@@ -201,7 +195,7 @@ def _lora_term(s_ptr, lora_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_
                                                          offs_m, N_INT_COLS, N_FLOAT_COLS)
             dropped = dropped | (rows & (threshold > 0))
         # the forward stored no mask for rows without dropout: they keep every column
-        keep = load_keep_mask(mask_ptr, offs_m.to(tl.int64), dropped, n0, n_groups, BLOCK_N, SPREAD_MASK)
+        keep = load_keep_mask(mask_ptr, offs_m.to(tl.int64), dropped, n0, n_groups, BLOCK_N)
         keep = keep | (dropped == 0)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_factor = tl.zeros((BLOCK_M,), dtype=tl.float32)  # each row's scale_i (forward) or 1 / (1 - p_i)
@@ -263,25 +257,23 @@ def _lora_operands(s_ptr, lora_ptr, offs_m, offs_n, m_mask, n_mask, r0, rank, r_
     return st, lt
 
 
-def _schedule(forward: bool, n: int, n_pairs: int, cfg: KernelConfig, device: torch.device) -> tuple[int, bool]:
-    """(grid size, warp specialisation) of the fused base GEMM: persistent (one program per SM
-    looping over its tiles, so that one tile's stores overlap the next one's loads), warp-
-    specialised where the output is wide (N >= `cfg.gemm_ws_min_n`, 8192). Measured on an
-    H200: the forward ran best so (benchmarks/KERNELS_NOTES.md, v8; at one clock, v27, warp
-    specialisation neither gains nor loses: the layer 0.999x without it, median of 28 wide
-    rows); dX too since v24, 1.3% faster than one program per tile (median of 12 dX GEMMs,
-    0.97-1.00x; `cfg.gemm_persistent_dx=False` runs that)."""
-    if not forward and not cfg.gemm_persistent_dx:
-        return n_pairs, False
-    return min(n_pairs, sm_count(device)), n >= cfg.gemm_ws_min_n
+# the fused GEMM's K loop is warp-specialised where its output is at least this wide
+GEMM_WS_MIN_N = 8192
+
+
+def _schedule(n: int, n_pairs: int, device: torch.device) -> tuple[int, bool]:
+    """(grid size, warp specialisation) of the fused base GEMM, Y and dX alike: persistent (one
+    program per SM looping over its tiles, so that one tile's stores overlap the next one's
+    loads), faster than one program per tile; warp-specialised where the output is wide
+    (N >= `GEMM_WS_MIN_N`)."""
+    return min(n_pairs, sm_count(device)), n >= GEMM_WS_MIN_N
 
 
 def takes_gluon(a: torch.Tensor, meta: LoRABatchMeta) -> bool:
-    """Whether the fused path runs the Gluon GEMM (`lora_gemm_gluon.py`) for operand `a`: as
-    `KernelConfig.gluon_gemm` says, for 16-bit operands in 128-row blocks."""
+    """Whether the fused path runs the Gluon GEMM (`lora_gemm_gluon.py`) for operand `a`: where
+    `KernelConfig.gluon_gemm` says so, for 16-bit operands in 128-row blocks."""
     cfg = meta.config
-    gluon = cfg.gluon_gemm == "always" or (cfg.gluon_gemm == "in_graphs" and torch.cuda.is_current_stream_capturing())
-    return gluon and a.element_size() == 2 and cfg.block_m == 128
+    return cfg.gluon_gemm and a.element_size() == 2 and cfg.block_m == 128
 
 
 def lora_gemm(
@@ -309,9 +301,9 @@ def lora_gemm(
     out_dropout = (not forward) and meta.has_dropout
     if out_dropout:
         assert mask_nibbles is not None and mask_nibbles.shape == (M, cdiv(N, 4))
-    common = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, SPREAD_MASK=cfg.spread_mask,
-                  N_INT_COLS=len(ADAPTER_INT_COLS), N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=cfg.block_m,
-                  BLOCK_N=block_n, BLOCK_R=meta.block_r_expand, GROUP_M=cfg.group_m)
+    common = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, N_INT_COLS=len(ADAPTER_INT_COLS),
+                  N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS), BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+                  BLOCK_R=meta.block_r_expand, GROUP_M=cfg.group_m)
     mask = mask_nibbles if out_dropout else out
     if not fused_base:
         _lora_add_kernel[(n_pairs,)](s, lora_pack, out, mask, *meta.block_args(), M, N, meta.n_blocks, cdiv(N, 4),
@@ -325,13 +317,12 @@ def lora_gemm(
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.gemm_block_k])
     w_desc = TensorDescriptor.from_tensor(
         w, [cfg.gemm_block_n, cfg.gemm_block_k] if forward else [cfg.gemm_block_k, cfg.gemm_block_n])
-    grid, warp_specialize = _schedule(forward, N, n_pairs, cfg, a.device)
+    grid, warp_specialize = _schedule(N, n_pairs, a.device)
     _lora_gemm_kernel[(grid,)](a_desc, w_desc, bias if bias is not None else out, s, lora_pack, out, mask,
                                *meta.block_args(), M, N, K, meta.n_blocks, cdiv(N, 4), grid, s.stride(0),
                                out.stride(0),
                                HAS_BIAS=bias is not None, BLOCK_K=cfg.gemm_block_k, K_STAGES=cfg.gemm_stages,
-                               WARP_SPECIALIZE=warp_specialize, LORA_LAST=cfg.lora_term_last and not out_dropout,
-                               PDL=cfg.pdl, launch_pdl=cfg.pdl,
+                               WARP_SPECIALIZE=warp_specialize, PDL=cfg.pdl, launch_pdl=cfg.pdl,
                                num_warps=cfg.gemm_warps, **common, **LAUNCH_OPTIONS)
     return out
 

@@ -7,40 +7,33 @@ multiply, and the LoRA term is one more wgmma on the tile's accumulator.
 Triton's own pipeliner keeps a persistent GEMM's loads flowing across tiles only while its
 loop holds one dot; with the LoRA dot after the K steps it stops pipelining, and the nested
 loop the Triton kernel keeps instead pays each tile's pipeline fill and epilogue: 3-6% over
-cuBLAS where K is 3584-4096 (KERNELS_NOTES v26, v27). Here the schedule is written out. A
-loading warp runs through every (tile, K step) the program owns and fills a ring of
-STAGES shared buffers as the MMA warps free them, so the next tile's first operands arrive
-under this tile's last steps and its epilogue. After the K steps it loads the tile's LoRA
-operands, 16, 32 or 64 ranks at a time (the pack's largest rank, rounded up): the row
-block's rows of S and the adapter's rows of the packed B^T (A). Steps of 16 or 32 ranks go
-into the output tile's buffer, idle from the previous tile's store until this tile's
-epilogue, two steps ahead (`lora_slots`), so that a block of several adapters loads the next
-one's while it adds this one's. Steps of 64, of which that buffer holds one, go through the
-ring like K steps, up to STAGES ahead (`lora_in_ring`). The MMA warps mask them (the
-block's rows of other adapters, the rank's end: another adapter's values, NaN included,
-never reach this one's rows), scale S by scale_i (forward), and add them with one wgmma
-whose first operand comes from registers, only as deep as the adapter's ranks left need
-(16, 32 or the whole step). The tile leaves through TMA while the next one starts.
+cuBLAS where K is 3584-4096. Here the schedule is written out. A loading warp runs through
+every (tile, K step) the program owns and fills a ring of STAGES shared buffers (the "ring")
+as the MMA warps free them, so the next tile's first operands arrive under this tile's last
+steps and its epilogue. After the K steps it loads the tile's LoRA operands, 16, 32 or 64
+ranks at a time (the pack's largest rank, rounded up: `rank_step`): the row block's rows of
+S and the adapter's rows of the packed B^T (A). Steps of 16 or 32 ranks go into the output
+tile's buffer, idle from the previous tile's store until this tile's epilogue, two steps
+ahead (`lora_slots`), so that a block of several adapters loads the next one's while it adds
+this one's. Steps of 64, of which that buffer holds one, go through the ring like K steps,
+up to STAGES ahead (`lora_in_ring`). The MMA warps mask them (the block's rows of other
+adapters, the rank's end: another adapter's values, NaN included, never reach this one's
+rows), scale S by scale_i (forward), and add them with one wgmma whose first operand comes
+from registers, only as deep as the adapter's ranks left need (16, 32 or the whole step).
+The tile leaves through TMA while the next one starts.
 
 dX with dropout masks the LoRA term by the keep-mask the forward shrink stored, which an
 accumulator already holding the base product cannot take. So its term comes first: the
 loading warp puts its rank steps through the ring ahead of the tile's K steps (the S and A
 blocks at the start of a slot's x and W buffers), the MMA warps add them onto zeros, mask
-the result, and run the K steps on top. The mask's nibbles are loaded 16 to a thread and
-handed through shared memory to the threads whose accumulator columns they cover: loaded
-where the accumulator holds them, each thread's 128 byte loads spilled registers and the
-masked GEMM ran 1.04x cuBLAS's time (median of 6) against 1.03x (KERNELS_NOTES v29).
+the result, and run the K steps on top. The mask's nibbles (a uint8 of four columns' bits)
+are loaded 16 to a thread and handed through shared memory to the threads whose accumulator
+columns they cover: loaded where the accumulator holds them, each thread's 128 byte loads
+would spill registers.
 
-As plain GEMMs with a rank-16 term, on an H200 at one clock, this schedule took 0.98-1.05x
-cuBLAS's time where the Triton kernel took 1.03-1.06x (`benchmarks/gemm_schedule.py`,
-`gluon_ws_lora_last`, KERNELS_NOTES v28). With the layer's LoRA term (`benchmarks/kernels.py
---sections gemm`, v29), medians of 6 over cuBLAS: Y 1.009x (the Triton kernel 1.077x), dX
-1.007x (1.022x), dX with the keep-mask 1.029x (1.048x). The layer took 0.95x its time with the
-Triton GEMM at 16384 tokens, 0.96x at 2048, with dropout or without. `lora_gemm` runs it on
-Hopper (`KernelConfig.gluon_gemm`, "always" by default; "in_graphs" keeps eager calls on the
-Triton kernel, whose launch builds two TMA descriptors on the host where this one builds
-five: an engine step that is GPU-bound ran 1.02-1.12x faster with it eagerly, in four A/B
-pairs; one that is host-bound moved 0.92-1.13x, its noise; KERNELS_NOTES v29).
+`lora_gemm` runs it on Hopper (`KernelConfig.gluon_gemm`), where the layer runs faster with
+it than with the Triton kernel, at a few thousand tokens and at many, with dropout or
+without. Its launch builds five TMA descriptors on the host, the Triton kernel's two.
 
 Gluon kernels do not run under TRITON_INTERPRET=1: CI checks the Triton kernel on the CPU,
 and the GPU tests check this one against float64 (`tests/test_fused_ops_gpu.py`). Gluon is
@@ -240,14 +233,14 @@ if gluon is not None:
 
     @gluon.jit
     def _add_lora_step(acc, s_view, l_view, rows, r0, rank, scale, s_layout: gl.constexpr, l_layout: gl.constexpr,
-                       FORWARD: gl.constexpr, FIT_K: gl.constexpr):
+                       FORWARD: gl.constexpr):
         """acc + rank step r0 of a tile's LoRA term, its operands in shared memory (`_lora_wgmma`).
-        With FIT_K a step holding 16 or 32 ranks or fewer multiplies only those (its first 16 or
-        32 columns of S and rows of L): in a pack of mixed ranks the step is the largest rank's,
-        up to 64, and an adapter of rank 8 or 16 would otherwise pay a 64-deep wgmma and zero 64
-        rows of L in shared memory on every tile."""
+        A step holding 16 or 32 ranks or fewer multiplies only those (its first 16 or 32 columns
+        of S and rows of L): in a pack of mixed ranks the step is the largest rank's, up to 64,
+        and an adapter of rank 8 or 16 would otherwise pay a 64-deep wgmma and zero 64 rows of L
+        in shared memory on every tile."""
         R_STEP: gl.constexpr = s_view.type.shape[1]
-        if FIT_K and R_STEP == 64:
+        if R_STEP == 64:
             if rank - r0 <= 16:
                 acc = _lora_wgmma(acc, s_view.slice(0, 16, dim=1), l_view.slice(0, 16, dim=0), rows, r0, rank, scale,
                                   s_layout, l_layout, FORWARD)
@@ -256,7 +249,7 @@ if gluon is not None:
                                   s_layout, l_layout, FORWARD)
             else:
                 acc = _lora_wgmma(acc, s_view, l_view, rows, r0, rank, scale, s_layout, l_layout, FORWARD)
-        elif FIT_K and R_STEP == 32:
+        elif R_STEP == 32:
             if rank - r0 <= 16:
                 acc = _lora_wgmma(acc, s_view.slice(0, 16, dim=1), l_view.slice(0, 16, dim=0), rows, r0, rank, scale,
                                   s_layout, l_layout, FORWARD)
@@ -269,8 +262,8 @@ if gluon is not None:
 
     @gluon.jit
     def _add_lora_steps(acc, s_src, l_src, ready, empty, rows, rank, scale, step, s_layout: gl.constexpr,
-                        l_layout: gl.constexpr, FORWARD: gl.constexpr, FIT_K: gl.constexpr, SLOTS: gl.constexpr,
-                        L_FIRST: gl.constexpr, STRIDE: gl.constexpr):
+                        l_layout: gl.constexpr, FORWARD: gl.constexpr, SLOTS: gl.constexpr, L_FIRST: gl.constexpr,
+                        STRIDE: gl.constexpr):
         """acc + one tile's LoRA term, a rank step a slot as `_load_lora_steps` put them there,
         each slot handed back once added. Returns acc and the next step."""
         R_STEP: gl.constexpr = s_src.type.shape[2]
@@ -278,7 +271,7 @@ if gluon is not None:
             slot = step % SLOTS
             mbarrier.wait(ready.index(slot), (step // SLOTS) & 1)
             acc = _add_lora_step(acc, s_src.index(slot * STRIDE), l_src.index(L_FIRST + slot * STRIDE), rows, r0,
-                                 rank, scale, s_layout, l_layout, FORWARD, FIT_K)
+                                 rank, scale, s_layout, l_layout, FORWARD)
             mbarrier.arrive(empty.index(slot))
             step += 1
         return acc, step
@@ -288,7 +281,7 @@ if gluon is not None:
                        lora_empty, c_free, bias_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                        adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs, FORWARD: gl.constexpr,
                        OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
-                       FIT_K: gl.constexpr, LORA_IN_RING: gl.constexpr, num_warps: gl.constexpr):
+                       LORA_IN_RING: gl.constexpr, num_warps: gl.constexpr):
         """The MMA warps: the K steps' wgmmas as their operands land, each buffer handed back
         once the wgmma after it has started; the block's LoRA terms, masked to their tiles;
         the bias; the tile out through TMA. With OUT_DROPOUT the LoRA terms come first, from
@@ -345,7 +338,7 @@ if gluon is not None:
                     row_factor = gl.where(acc_rows, inv_keep, row_factor)
                     dropped = dropped | (acc_rows & drops)
                     acc, step = _add_lora_steps(acc, s_ring, l_ring, ready, empty, rows, rank, scale, step, s_layout,
-                                                l_layout, FORWARD, FIT_K, STAGES, 0, RING_STRIDE)
+                                                l_layout, FORWARD, STAGES, 0, RING_STRIDE)
                 # The keep-mask: the tile's nibbles read 16 to a thread, handed to the threads whose
                 # accumulator columns they cover (through shared memory), each column's bit
                 # shifted out. The forward stored no mask for rows without dropout: they keep
@@ -381,11 +374,10 @@ if gluon is not None:
                     rows = (row0 + offs_m >= row_start) & (row0 + offs_m < row_end)
                     if LORA_IN_RING:
                         acc, step = _add_lora_steps(acc, s_ring, l_ring, ready, empty, rows, rank, scale, step,
-                                                    s_layout, l_layout, FORWARD, FIT_K, STAGES, 0, RING_STRIDE)
+                                                    s_layout, l_layout, FORWARD, STAGES, 0, RING_STRIDE)
                     else:
                         acc, lora_step = _add_lora_steps(acc, s_bufs, l_bufs, lora_ready, lora_empty, rows, rank, scale,
-                                                         lora_step, s_layout, l_layout, FORWARD, FIT_K, LORA_SLOTS,
-                                                         L_HALF, 1)
+                                                         lora_step, s_layout, l_layout, FORWARD, LORA_SLOTS, L_HALF, 1)
             if HAS_BIAS:
                 # into new registers: ptxas serialises every wgmma of the kernel (a wait after each)
                 # once other instructions write the accumulator's registers
@@ -406,8 +398,7 @@ if gluon is not None:
                                 tiles_ptr, adapters_i_ptr, adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs,
                                 FORWARD: gl.constexpr, OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
                                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, PDL: gl.constexpr,
-                                FIT_K: gl.constexpr, LORA_SLOTS: gl.constexpr, LORA_IN_RING: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                LORA_SLOTS: gl.constexpr, LORA_IN_RING: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -443,7 +434,7 @@ if gluon is not None:
             (_mma_partition, (c_desc, a_bufs, w_bufs, s_bufs, l_bufs, s_ring, l_ring, c_smem, ready, empty, lora_ready,
                               lora_empty, c_free, bias_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                               adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs, FORWARD, OUT_DROPOUT, HAS_BIAS,
-                              GROUP_M, PDL, FIT_K, LORA_IN_RING, num_warps)),
+                              GROUP_M, PDL, LORA_IN_RING, num_warps)),
             (_load_partition, (a_desc, w_desc, s_desc, l_desc, a_bufs, w_bufs, s_bufs, l_bufs, s_ring, l_ring, ready,
                                empty, lora_ready, lora_empty, c_free, block_tiles_ptr, tiles_ptr, adapters_i_ptr,
                                adapters_f_ptr, N, K, n_blocks, n_programs, FORWARD, OUT_DROPOUT, GROUP_M, PDL,
@@ -472,19 +463,23 @@ def rank_step(max_rank: int) -> int:
     return 16 if max_rank <= 16 else 32 if max_rank <= 32 else 64
 
 
-def lora_slots(r_step: int, config) -> int:
-    """Buffers of the unmasked LoRA term's operands: `config.gluon_lora_buffers`, or as many as
-    fit where fewer do. S's [block_m, r_step] blocks share one half of the output tile's buffer
+# buffers of the unmasked LoRA term's operands in the output tile's buffer, where they fit
+LORA_BUFFERS = 2
+
+
+def lora_slots(r_step: int, block_m: int) -> int:
+    """Buffers of the unmasked LoRA term's operands: `LORA_BUFFERS`, or as many as fit where
+    fewer do. S's [block_m, r_step] blocks share one half of the output tile's buffer
     ([block_m, TILE_N]), L's [r_step, TILE_N] blocks the other."""
-    fits = min(TILE_N // (2 * r_step), config.block_m // (2 * r_step))
-    return max(1, min(config.gluon_lora_buffers, fits))
+    fits = min(TILE_N // (2 * r_step), block_m // (2 * r_step))
+    return max(1, min(LORA_BUFFERS, fits))
 
 
-def lora_in_ring(r_step: int, config) -> bool:
-    """Whether the unmasked LoRA term's operands go through the K steps' ring
-    (`config.gluon_lora_in_ring`): where the output tile's buffer holds one rank step only
+def lora_in_ring(r_step: int, block_m: int) -> bool:
+    """Whether the unmasked LoRA term's operands go through the K steps' ring of shared
+    buffers rather than the output tile's buffer: where that buffer holds one rank step only
     (`lora_slots`), so that a tile's second step would wait for its load after the first."""
-    return config.gluon_lora_in_ring and lora_slots(r_step, config) == 1
+    return lora_slots(r_step, block_m) == 1
 
 
 def launch_descriptors(a, w, out, s, pack, forward: bool, block_m: int, r_step: int) -> tuple:
@@ -518,7 +513,7 @@ def lora_gemm_gluon(
     SM, as few as finish as soon (`metadata.gemm_programs`)."""
     if gluon is None:
         raise RuntimeError(f"Triton {triton.__version__} has no Gluon language this kernel can use; "
-                           "set KernelConfig.gluon_gemm='never' (the default there) to take the Triton GEMM.")
+                           "set KernelConfig.gluon_gemm=False (`config_for`'s choice there) to take the Triton GEMM.")
     cfg = meta.config
     M, K = a.shape
     N = out.shape[1]
@@ -534,7 +529,7 @@ def lora_gemm_gluon(
         mask_nibbles if mask_nibbles is not None else out,
         *meta.block_args()[:4], M, N, K, meta.n_blocks, cdiv(N, 4), grid, FORWARD=forward,
         OUT_DROPOUT=mask_nibbles is not None, HAS_BIAS=bias is not None, STAGES=STAGES, GROUP_M=cfg.group_m,
-        PDL=cfg.pdl, FIT_K=cfg.gluon_k_fits_rank, LORA_SLOTS=lora_slots(r_step, cfg),
-        LORA_IN_RING=lora_in_ring(r_step, cfg), num_warps=NUM_WARPS,
+        PDL=cfg.pdl, LORA_SLOTS=lora_slots(r_step, cfg.block_m), LORA_IN_RING=lora_in_ring(r_step, cfg.block_m),
+        num_warps=NUM_WARPS,
         maxnreg=MAX_REGISTERS, launch_pdl=cfg.pdl, **LAUNCH_OPTIONS)
     return out

@@ -38,120 +38,57 @@ TILE_COLS = ("adapter", "row_start", "row_end")  # the tile and chunk tables
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Block sizes and path choices of one call; from `config_for` (cached per largest rank)."""
+    """Block sizes and path choices of one call: what `config_for` picks for the GPU and the
+    pack's largest rank, or `INTERPRET_CONFIG` on the CPU."""
 
     block_m: int = 128  # rows per tile at most and per row block of the base GEMM, all kernels
-    # shrinks and row reductions: each adapter's programs take the smallest rank block that holds
-    # its rank (`fit_rank_block`), not the pack's largest
-    fit_rank_block: bool = True
-    # the base GEMM fused with the LoRA term (lora_gemm.py, `fused_base`)
+    # the base GEMM with the LoRA term in its accumulator (lora_gemm.py); False: cuBLAS's base
+    # GEMM, then the LoRA term added in place (`fuses_base` says where the fused one runs)
+    fused_base: bool = True
     gemm_block_n: int = 256
     gemm_block_k: int = 64
     gemm_warps: int = 8
     gemm_stages: int = 3
-    group_m: int = 8  # m-tiles per L2 swizzle group
-    fused_base: bool = True  # False: cuBLAS base GEMM, then the LoRA term added in place (also where TMA cannot)
-    fuse_dx: bool = True  # with fused_base, the backward's dX GEMM too (else only the forward's Y)
-    # with fused_base and no dropout mask on the term, the LoRA term after the K loop, not before it
-    lora_term_last: bool = True
-    # the fused GEMM's dX persistent like its Y (`lora_gemm._schedule`), not one program per tile
-    gemm_persistent_dx: bool = True
-    # the fused GEMM's K loop warp-specialised where its output is at least this wide (`lora_gemm._schedule`)
-    gemm_ws_min_n: int = 8192
+    group_m: int = 8  # row blocks per L2 swizzle group
     # programmatic dependent launch (Hopper on): the fused GEMMs start their K loops while the
-    # kernel that writes S or dS still runs, and wait for it only before the LoRA term;
-    # 1.3% less layer time at 2048 tokens, 0.6% at 16384 (median, KERNELS_NOTES v27)
+    # kernel that writes S or dS still runs, and wait for it only before the LoRA term
     pdl: bool = False
-    # on Hopper, the fused GEMMs (Y, dX) in Gluon, warp-specialised with their loads pipelined
-    # across tiles (lora_gemm_gluon.py, KERNELS_NOTES v28, v29): "never", "in_graphs" (only while
-    # a CUDA graph is captured) or "always". Its launch builds five TMA descriptors on the host,
-    # the Triton kernel's two; in turn with "in_graphs", "always" gave an 8B model's GPU-bound
-    # step 1.02-1.12x the tokens/s (four pairs) and a 1B model's host-bound step 0.92-1.13x,
-    # within that step's noise (KERNELS_NOTES v29)
-    gluon_gemm: str = "never"
-    # in the Gluon GEMM, a rank step that holds 16 or 32 ranks or fewer multiplies only those,
-    # not the pack's whole step (up to 64): an adapter of rank 8 in a pack with rank 128;
-    # 0.989-0.999x the layer's time on the mixed-rank packs (KERNELS_NOTES v33)
-    gluon_k_fits_rank: bool = True
-    # in the Gluon GEMM, buffers of the unmasked LoRA term's operands (where they fit: rank steps
-    # up to 32): a row block of several adapters loads the next one's while it adds this one's;
-    # 0.991-0.994x the layer's time at 2048 tokens of 32 adapters of rank 16 (KERNELS_NOTES v33)
-    gluon_lora_buffers: int = 2
-    # in the Gluon GEMM, where the output tile's buffer holds one rank step only (steps of 64
-    # ranks), the unmasked LoRA term's operands through the K steps' ring after the tile's K
-    # steps, as the masked term's go before them: loaded while the last K steps multiply, up to
-    # three steps ahead. 0.978-1.001x the layer's time on those rows at 2048 tokens, 0.990-1.004x
-    # at 16384; at 16 or 32 ranks a step, whose two buffers the ring would not beat, 1.001-1.008x
-    # (`lora_gemm_gluon.lora_in_ring`, KERNELS_NOTES v37)
-    gluon_lora_in_ring: bool = True
-    # the LoRA term added in place to a cuBLAS product
+    # the fused GEMMs (Y, dX) in Gluon (lora_gemm_gluon.py), where it runs (`gluon_gemm_runs`):
+    # warp-specialised, its loads pipelined across tiles
+    gluon_gemm: bool = False
+    # the LoRA term added in place to a cuBLAS product (`fused_base=False`)
     add_block_n: int = 128
     add_warps: int = 4
-    # shrink (S = dropout(x) A^T, dS = scale dY B)
+    # shrinks (S = dropout(x) A^T, dS = scale dY B)
     shrink_block_m: int = 64  # rows per shrink program at most (`shrink_blocks` may take fewer); divides block_m
     shrink_block_k: int = 64
     shrink_warps: int = 4
     shrink_stages: int = 3  # pipeline stages of the shrinks, and what `shrink_blocks` sizes their blocks for
-    # pipeline stages of a shrink that draws no mask (dS; S where no adapter has dropout): 10%
-    # faster than 3 at 16384 tokens, the same at 2048; with the mask, 4 gained nothing (v20)
+    # pipeline stages of a shrink that draws no dropout mask (dS; S where no adapter has
+    # dropout): faster than 3 at 16384 tokens; with the mask to draw, 4 gain nothing
     shrink_stages_no_dropout: int = 4
-    # where the layout has too few tiles to give every SM a shrink program, split K between
-    # programs (`shrink_k_splits`) rather than cut rows below the rank block, each split keeping
-    # at least `shrink_split_min_steps` K steps
-    shrink_split_k: bool = True
-    shrink_split_min_steps: int = 4
-    # a shrink that draws no dropout mask runs beside the fused Gluon GEMM that reads its output,
-    # on the SMs the GEMM's grid leaves spare (`gemm_programs`), where they can stream every
-    # tile within about one tile's K loop of the GEMM (`multi_lora.beside_programs`: at most
-    # `beside_rows` rows of x and adapter a program, `beside_rows_ds` of dY and adapter): the
-    # GEMM starts its K loop at once and waits for S (dS) only before its LoRA steps
-    # (`benchmarks/side_sms.py`, KERNELS_NOTES v35)
-    shrink_beside_gemm: bool = True
-    beside_rows: int = 576  # S beside the forward GEMM
-    beside_rows_ds: int = 512  # dS beside dX, where dB then takes a pass over dY of its own
-    beside_block_k: int = 128  # K step of a shrink beside the GEMM, whose programs take whole tiles
+    # a shrink "beside" the Gluon GEMM: a few programs on the SMs that the GEMM's grid leaves
+    # spare, running while the GEMM does (`multi_lora.beside_programs`)
+    beside_block_k: int = 128  # its K step: its programs take whole tiles
     beside_stages: int = 5  # its pipeline stages at most: as many as fit in shared memory (`beside_stages`)
-    beside_tma: bool = True  # its x (dY) blocks through a TMA descriptor where TMA can describe it
     # row reductions: dA = dS^T dropout(x) (reduce_*) and dB = scale dY^T S (db_*)
     reduce_block_m: int = 64  # rows per step
     reduce_block_n: int = 64
     reduce_warps: int = 4
-    reduce_stages: int = 3
-    # the reductions' pipelines no deeper than their longest chunk has row steps (`reduction_stages`):
-    # a chunk of one step leaves the other stages' buffers unused, and they bound the programs an SM holds (v31)
-    stages_fit_chunks: bool = True
+    reduce_stages: int = 3  # at most: no more than the longest chunk has row steps (`reduction_stages`)
     reduce_max_block_r: int = 128  # dA's rank block is the pack's, up to this
-    db_block_m: int = 64
+    db_block_m: int = 64  # dB's rows per step (`db_rows_per_step` may take fewer), and the one pass's
     db_block_n: int = 128
     db_warps: int = 4
     db_max_block_r: int = 64  # dB's rank block is the pack's, up to this
-    # a chunk's rank blocks are neighbouring programs (they read the same tiles of x or dY):
-    # 6-10% faster dA and dB where ranks take two blocks (v20)
-    reduce_rank_fastest: bool = True
-    reduce_tma: bool = True  # x's or dY's tiles through a TMA descriptor where TMA can describe it (v20)
-    chunk_rows: int = 1024  # rows per deterministic partial sum at most; multiple of block_m
-    # fewer rows per chunk where a layout has too few chunks to give every SM a program (`reduce_chunk_rows`)
-    chunks_fill_sms: bool = True
+    chunk_rows: int = 1024  # rows per deterministic partial sum at most (`reduce_chunk_rows`); multiple of block_m
     chunk_sum_values: int = 2048  # fp32 accumulator of one program that adds the chunks' partials up
-    # the backward (dA, the dX GEMM's LoRA term) unpacks the stored keep-mask spread over the
-    # columns, not joined from its four bits (`load_keep_mask`)
-    spread_mask: bool = True
-    # dS and dB in one pass over dY (ds_db.py) instead of the dS shrink and the dB reduction;
-    # rows per step db_block_m
+    # dS and dB in one pass over dY (ds_db.py) instead of the dS shrink and the dB reduction
     one_pass_dy: bool = False
     ds_db_block_n: int = 256  # columns of dY per column block
     ds_db_warps: int = 8
-    # column blocks per program of the one pass where every chunk is one row step
-    # (`ds_db.ds_db_col_group`): fewer dS partials to write and to add up; 0.98-0.99x the
-    # layer's time at 2048 tokens of 32 adapters of rank 16 (KERNELS_NOTES v33)
+    # column blocks per program of the one pass where every chunk is one row step (`ds_db.ds_db_col_group`)
     ds_db_col_group: int = 4
-    # the one pass on blocks of half the columns and warps where its chunks of several row steps
-    # leave SMs without a program and half the columns make one wave at most (`ds_db.ds_db_blocks`)
-    ds_db_fill_sms: bool = True
-    # in a CUDA graph, the backward's dA (and, in two passes over dY, dB) on a second stream
-    # beside the dS shrink and the dX GEMM, which need neither: median 0.98x the layer's GPU
-    # time at 2048 tokens (to 0.94x), 0.99x at 16384; eagerly it costs the host more (v21)
-    overlap_reductions: bool = True
 
 
 # Interpreter (CPU) blocks: small, so that tests run many tiles, K steps and chunks.
@@ -161,11 +98,15 @@ INTERPRET_CONFIG = KernelConfig(block_m=16, gemm_block_n=32, gemm_block_k=32, ge
                                 db_block_n=16, db_max_block_r=16, chunk_rows=32, chunk_sum_values=256,
                                 one_pass_dy=True, ds_db_block_n=16, beside_block_k=32)
 
+# Where the layout has too few tiles to give every SM a shrink program, a shrink that draws no
+# dropout mask splits K between programs (`shrink_k_splits`), each over this many K steps at least.
+SHRINK_SPLIT_MIN_STEPS = 4
+
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the host side of the kernels. `triton.cdiv` is a constexpr function in
-    recent Triton: each host call unwraps its arguments as constexprs, and a fused fwd+bwd made
-    17 of them (KERNELS_NOTES v9, the host profile)."""
+    recent Triton: each host call unwraps its arguments as constexprs, which costs host time
+    on every launch."""
     return -(-a // b)
 
 
@@ -181,8 +122,8 @@ def hopper_or_newer() -> bool:
     return gpu_capability() >= (9, 0)
 
 
-# Compile options of every launch: floating-point contraction (FMA) on, as every measurement
-# here was taken. Triton 3.9 defaults to it with a warning that 3.10 will default to off.
+# Compile options of every launch: floating-point contraction (FMA) on, as the defaults here
+# were measured. Triton 3.9 defaults to it with a warning that 3.10 will default to off.
 LAUNCH_OPTIONS = dict(enable_fp_fusion=True)
 
 # Triton releases whose Gluon language the Gluon GEMM was checked with on a GPU. Gluon is
@@ -249,11 +190,10 @@ def shrink_stage_bytes(device: torch.device) -> int:
 
 
 def beside_stages(config: KernelConfig, block_r: int, device: torch.device) -> int:
-    """Pipeline stages of a shrink beside the GEMM (`KernelConfig.shrink_beside_gemm`): as many
-    as fit, up to `config.beside_stages`, with 32 KiB left to Triton. Each of its few programs
+    """Pipeline stages of a shrink beside the GEMM (`multi_lora.beside_programs`): as many as
+    fit, up to `config.beside_stages`, with 32 KiB left to Triton. Each of its few programs
     must stream a share of x as fast as one SM can, so it keeps as many bytes in flight as it
-    holds: on an H200, 128 x 128 blocks of x streamed at 81 GB/s a program with 4 stages and
-    93 with 5 (`benchmarks/side_sms.py`)."""
+    holds."""
     stage = (config.block_m + block_r) * config.beside_block_k * 2  # 16-bit x and adapter blocks
     return max(2, min(config.beside_stages, (shared_memory_per_program(device) - 32 * 1024) // stage))
 
@@ -269,11 +209,10 @@ def shrink_blocks(n_tiles: int, n_rank_blocks: int, block_r: int, config: Kernel
     input. So the rows per program halve, down to 16, until the launch has a program per SM,
     and the K step doubles with them while a program's pipeline buffers (16-bit operands)
     fit in `stage_bytes` (`shrink_stage_bytes`): each program still has as many bytes in
-    flight per step. Measured on an H100 (KERNELS_NOTES v10): at 2048 tokens, 4 adapters of
-    rank 16, the forward shrink took 0.036 ms against 0.112 with 64-row programs.
+    flight per step.
 
-    Where K may be split instead (`shrink_k_splits`), the rows stop halving at the rank block:
-    `split_min_rows`.
+    Where K may be split instead (a shrink that draws no mask, `shrink_k_splits`), the rows
+    stop halving at the rank block: `split_min_rows`.
     """
     bm, bk = config.shrink_block_m, config.shrink_block_k
     while bm > min_rows and n_tiles * (config.block_m // bm) * n_rank_blocks < n_sms:
@@ -284,32 +223,30 @@ def shrink_blocks(n_tiles: int, n_rank_blocks: int, block_r: int, config: Kernel
 
 
 def split_min_rows(config: KernelConfig, block_r: int) -> int:
-    """The fewest rows of a shrink program that draws no dropout mask (`shrink_blocks`): with K
-    split over programs (`shrink_split_k`), the rank block, up to `config.shrink_block_m`, since
-    a program of fewer rows reads more bytes of its adapter than of x; else 16."""
-    return max(16, min(config.shrink_block_m, block_r)) if config.shrink_split_k else 16
+    """The fewest rows of a shrink program that draws no dropout mask (`shrink_blocks`), whose K
+    may be split over programs instead (`shrink_k_splits`): the rank block, up to
+    `config.shrink_block_m`, since a program of fewer rows reads more bytes of its adapter than
+    of x."""
+    return max(16, min(config.shrink_block_m, block_r))
 
 
-def shrink_k_splits(n_programs: int, K: int, block_k: int, config: KernelConfig, n_sms: int) -> int:
+def shrink_k_splits(n_programs: int, K: int, block_k: int, n_sms: int) -> int:
     """Programs per shrink output block, each over a part of K, for a launch of `n_programs`
     output blocks with rows (`shrink_blocks`' rows) over K columns in steps of `block_k`.
 
     At 2048 tokens, 4 adapters of rank 64 make 16 tiles: 32 programs of 64 rows on a GPU of
     132 SMs. Halving the rows to 16 fills the SMs, but each program then reads its adapter's
-    whole [64, K] block for 16 rows of x or dY: the dS shrink at 3584 -> 18944 streamed dY at
-    1.3 TB/s (KERNELS_NOTES v20). Splitting K instead keeps one adapter byte per byte of x:
-    the splits double while the launch still has at most a program per SM and each split
-    keeps `config.shrink_split_min_steps` K steps. Their fp32 partials cost 4 x rank bytes per
+    whole [64, K] block for 16 rows of x or dY. Splitting K instead keeps one adapter byte per
+    byte of x: the splits double while the launch still has at most a program per SM and each
+    split keeps `SHRINK_SPLIT_MIN_STEPS` K steps. Their fp32 partials cost 4 x rank bytes per
     row per split, against 2 x K bytes per row of x.
 
-    The forward shrink that draws the dropout mask is not split: its draw runs slower on
-    taller row blocks (v20: 0.102 ms on 64 rows against 0.033 on 16 at 2048 x 3584 x 4 r64),
-    and with the splits the layer lost up to 8% with dropout (v34).
+    The forward shrink that draws the dropout mask is not split: its draw runs faster on
+    shorter row blocks, and the layer is slower with dropout when it splits.
     """
     splits = 1
-    if config.shrink_split_k:
-        while n_programs * splits * 2 <= n_sms and K >= splits * 2 * config.shrink_split_min_steps * block_k:
-            splits *= 2
+    while n_programs * splits * 2 <= n_sms and K >= splits * 2 * SHRINK_SPLIT_MIN_STEPS * block_k:
+        splits *= 2
     return splits
 
 
@@ -319,8 +256,7 @@ def gemm_programs(n_pairs: int, n_sms: int) -> int:
 
     At 2048 tokens the pairs rarely divide evenly over the SMs: 256 pairs on 132 SMs leave 124
     programs with two and 8 with one, idle for half the GEMM. 128 programs of two finish as
-    soon, and leave 4 SMs to other work from the start (`KernelConfig.shrink_beside_gemm`);
-    alone, the GEMM took 0.98-1.00x its time on the full grid (H200, `benchmarks/side_sms.py`).
+    soon, and leave 4 SMs to other work from the start (`multi_lora.beside_programs`).
     """
     return cdiv(n_pairs, cdiv(n_pairs, n_sms)) if n_pairs else 0
 
@@ -334,19 +270,16 @@ def reduce_chunk_rows(seg_lens: Sequence[int], has_lora: Sequence[bool], program
     adapter of one chunk gets its gradient written directly. With `config.chunk_rows` rows
     per chunk, 2048 tokens of one adapter make two chunks: at 4096^2 the one pass over dY
     then runs 32 programs and dA 64, on a GPU of 132 SMs. So the rows per chunk halve, down
-    to `block_m`, while even the larger grid has fewer programs than half the SMs
-    (`config.chunks_fill_sms`). Each halving costs a second launch per reduction, which
-    adds the partials up, and 4 x rank bytes per column per chunk written and read again.
-    Measured on an H200 (KERNELS_NOTES v13), each reduction alone: at 2048 x 4096^2, one
-    adapter of rank 16, dS + dB and dA took 0.043 ms in chunks of 512 rows against 0.063 in
-    chunks of 1024; with four adapters (dA 128 programs, the one pass 64) chunks of 256
-    gained 2 us, which the whole layer lost again to the second launches.
+    to `block_m`, while even the larger grid has fewer programs than half the SMs. Each
+    halving costs a second launch per reduction, which adds the partials up, and 4 x rank
+    bytes per column per chunk written and read again: halving further, until every SM had a
+    program, gained less than the layer lost to those launches.
     """
     def n_chunks(rows):
         return sum(cdiv(int(s), rows) for s, lora in zip(seg_lens, has_lora) if lora)
 
     rows = config.chunk_rows
-    if not config.chunks_fill_sms or programs_per_chunk < 1:
+    if programs_per_chunk < 1:
         return rows
     while (rows // 2 >= config.block_m and (rows // 2) % config.block_m == 0
            and 2 * n_chunks(rows) * programs_per_chunk < n_sms):
@@ -369,20 +302,17 @@ def reduce_grid(config: KernelConfig, n_cols: int, max_rank: int, block_r: int, 
 
 def reduction_stages(meta: "LoRABatchMeta", block_m: int) -> int:
     """Pipeline stages of a reduction that steps `block_m` rows through its chunks:
-    `config.reduce_stages`, or as many as the longest chunk has row steps where that is fewer
-    (`KernelConfig.stages_fit_chunks`). At 2048 tokens 32 adapters make chunks of one step,
-    and three stages' buffers would hold the pass over dY to two programs an SM."""
+    `config.reduce_stages`, or as many as the longest chunk has row steps where that is fewer.
+    At 2048 tokens 32 adapters make chunks of one step, and three stages' buffers would leave
+    two unused and hold the pass over dY to two programs an SM."""
     cfg = meta.config
-    if not cfg.stages_fit_chunks:
-        return cfg.reduce_stages
     return max(1, min(cfg.reduce_stages, cdiv(meta.longest_chunk, block_m)))
 
 
 def db_rows_per_step(meta: "LoRABatchMeta") -> int:
     """Rows per step of dB's reduction: `config.db_block_m`, halved while the layout's longest
     chunk would fit in half a step. A step taller than every chunk loads and multiplies rows
-    that belong to no chunk: with 32 adapters of 64 rows at 2048 tokens, 128-row steps took
-    the layer 1.008-1.014x its time on 64-row ones (KERNELS_NOTES v36)."""
+    that belong to no chunk (32 adapters of 64 rows at 2048 tokens)."""
     block_m = meta.config.db_block_m
     while block_m > 16 and meta.longest_chunk <= block_m // 2:
         block_m //= 2
@@ -399,7 +329,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-FUSED_BLOCK_M = 128  # row block of the fused base GEMM: 64-row tiles were slower in a probe (KERNELS_NOTES v8)
+FUSED_BLOCK_M = 128  # row block of the fused base GEMM: its warpgroup MMA's 128 x 256 tile; 64 rows run slower
 
 
 def fuses_base(device: torch.device, element_size: int) -> bool:
@@ -416,42 +346,37 @@ def fuses_base(device: torch.device, element_size: int) -> bool:
 @functools.lru_cache(maxsize=64)
 def config_for(max_rank: int, on_cuda: bool, fuse_base: bool = True) -> KernelConfig:
     """Block sizes for a call whose largest adapter rank is `max_rank`, with the base GEMM
-    fused with the LoRA term (`fuse_base`, as `fuses_base` decides) or run by cuBLAS:
-    measured defaults (see benchmarks/KERNELS_NOTES.md); the interpreter gets small blocks
-    (`INTERPRET_CONFIG`)."""
+    fused with the LoRA term (`fuse_base`, as `fuses_base` decides) or run by cuBLAS: the
+    blocks and paths measured fastest on Hopper GPUs, each kernel alone and the whole layer;
+    the interpreter gets small blocks (`INTERPRET_CONFIG`)."""
     if not on_cuda:
         return INTERPRET_CONFIG if fuse_base else dataclasses.replace(INTERPRET_CONFIG, fused_base=False)
     block_r = rank_blocks(max(max_rank, 1))[0]
-    # The reductions' blocks and the one pass over dY: each kernel alone, GPU time, against
-    # variants (`blocks`, KERNELS_NOTES v11 and v19).
-    # - dA and dB alike: 128 columns, 4 warps, 64-row steps, rank blocks of at most 64. For
-    #   dB, 20-28% faster for mixed ranks than blocks of 128 (H100, v11). For dA, the time of
-    #   v11's 8 warps (256 columns at rank 128), H200, v19: with dropout 0.05, 0.71-0.99x at
-    #   16384 tokens and 0.83-1.02x at 2048; without, 0.85-1.01x and 0.84-1.05x. v11's blocks
-    #   predate the backward's spread keep-mask (v14), whose unpack runs better on 4 warps.
-    # - dS and dB in one pass over dY where the rank block is 16: 30% faster than two passes
-    #   at 16384 tokens. From rank 32 on, its partial sums cost more than dY's second read
-    #   (8% slower at 32, 30% at 64).
+    # - dA and dB alike: 128 columns, 4 warps, 64-row steps, rank blocks of at most 64: faster
+    #   for mixed ranks than blocks of 128, and the backward's keep-mask unpacks better on 4
+    #   warps than on 8.
+    # - the shrinks take 8 warps for rank blocks of 128, 4 below.
+    # - dS and dB in one pass over dY where the rank block is 16, faster than two passes. From
+    #   rank 32 on, its partial sums of dS cost more than dY's second read.
     shared = dict(shrink_block_m=64, shrink_block_k=64, shrink_warps=4 if block_r <= 64 else 8,
                   reduce_block_m=64, reduce_block_n=128, reduce_warps=4, reduce_max_block_r=64, db_block_m=64,
                   db_block_n=128, db_warps=4, db_max_block_r=64, chunk_rows=1024, one_pass_dy=block_r <= 16,
                   ds_db_block_n=256, ds_db_warps=8)
     if fuse_base:
-        # Measured (H200, v8): with the TMA base GEMM and the LoRA term in its accumulator
-        # (128x256x64 tiles, 8 warps, 3 stages), a layer's fwd+bwd took 0.77-1.00x the time of
-        # cuBLAS plus the in-place add, median 0.94x, over the 21 benchmark shapes of 16384 tokens.
+        # The base GEMM through TMA with the LoRA term in its accumulator (128 x 256 x 64 tiles,
+        # 8 warps, 3 stages): a layer's fwd+bwd faster than with cuBLAS plus the in-place add
+        # on most shapes; in Gluon on Hopper, and with programmatic dependent launch from
+        # Hopper on (`pdl`).
         # The in-place add (for operands TMA cannot read) gets 8 warps for its 128-row tiles:
         # the registers per thread of the 64-row, 4-warp config.
         # dB in 128-row steps where some rank takes two of dB's rank blocks (above 64), cut to
-        # the layout's chunks (`db_rows_per_step`): for mixed ranks up to 128, dB alone took
-        # 0.89-0.96x its time on 64-row steps at 2048 and 16384 tokens (H200, v36); no faster at
-        # rank 64, slower at 16 (v32). Measured on Hopper only; it spills compiled for sm_80.
+        # the layout's chunks (`db_rows_per_step`): faster for mixed ranks up to 128, no faster
+        # at rank 64, slower at 16. Measured on Hopper only; it spills compiled for sm_80.
         return KernelConfig(block_m=FUSED_BLOCK_M, gemm_block_n=256, gemm_block_k=64, gemm_warps=8, gemm_stages=3,
                             fused_base=True, add_block_n=128, add_warps=8, pdl=hopper_or_newer(),
-                            gluon_gemm="always" if gluon_gemm_runs() else "never",
-                            **dict(shared, db_block_m=128 if block_r > 64 else 64))
-    # cuBLAS base GEMMs plus the LoRA term added in place: its adds ran 5-15% faster on 64-row
-    # tiles than on 128-row ones (v5).
+                            gluon_gemm=gluon_gemm_runs(), **dict(shared, db_block_m=128 if block_r > 64 else 64))
+    # cuBLAS base GEMMs plus the LoRA term added in place: the adds run faster on 64-row tiles
+    # than on 128-row ones.
     return KernelConfig(block_m=64, fused_base=False, add_block_n=128, add_warps=4, **shared)
 
 
@@ -507,7 +432,7 @@ class LoRABatchMeta:
     def k_splits(self, K: int) -> int:
         """Programs per output block of a shrink over K columns that draws no dropout mask
         (`shrink_k_splits`)."""
-        return shrink_k_splits(self.shrink_programs, K, self.shrink_block_k, self.config, self.sm_count)
+        return shrink_k_splits(self.shrink_programs, K, self.shrink_block_k, self.sm_count)
 
     def block_args(self) -> tuple:
         """The base GEMM's table arguments (row blocks, then their tiles), in kernel order."""

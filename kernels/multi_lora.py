@@ -10,8 +10,8 @@ LoRAFusion's split at the rank-r tensor S, per call:
               dX = dY @ W + mask_i / (1 - p_i) * (dS @ A_i)  lora_gemm.py
 
 Saved for backward: x, S ([tokens, rank] in x's dtype), the dropout keep-mask (drawn once,
-by the forward shrink, as uint8 nibbles: 1/8 of x's size), the packed adapters and the
-routing tables; no dropped x. W and bias are frozen: no gradient is ever computed for them.
+by the forward shrink; a bit per column, four to a uint8 "nibble": 1/8 of x's size), the
+packed adapters and the routing tables; no dropped x. W and bias are frozen: no gradient is ever computed for them.
 Each adapter's A and B enter the Function as inputs of their own and are packed into the
 compute dtype inside it (`pack.pack_adapters`); the backward writes all dA into one buffer and all
 dB into another and hands each adapter a view of its slice. Autograd then records one node
@@ -22,9 +22,9 @@ Captured in a CUDA graph, the backward queues dA (and dB, where it takes its own
 dY) on a second stream: nothing on the way to dX needs them, and at a few thousand tokens
 each is a fraction of a wave that would otherwise run alone.
 
-Where the fused GEMM's grid leaves SMs spare and they can stream every tile in time, the
-shrink before it runs beside it on them (`beside_programs`); dS beside dX then leaves dB a
-pass over dY of its own.
+Where the Gluon GEMM's grid leaves SMs spare and they can stream every tile in time, the
+shrink before it runs "beside" it: on those SMs, at the same time (`beside_programs`); dS
+beside dX then leaves dB a pass over dY of its own.
 """
 
 from __future__ import annotations
@@ -67,51 +67,53 @@ def _check_inputs(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens):
         raise TypeError(f"All adapters must share one dtype, got {sorted(map(str, dtypes))}.")
 
 
-def _fuses_gemm(a, weight, meta, forward) -> bool:
+def _fuses_gemm(a, weight, meta) -> bool:
     """Whether the GEMM of `a` by `weight` is the fused one (else cuBLAS, then the LoRA term
     added in place): where the config says so and TMA can read the operands."""
-    return meta.config.fused_base and (forward or meta.config.fuse_dx) and tma_ready(a, weight)
+    return meta.config.fused_base and tma_ready(a, weight)
+
+
+# Rows a program beside the GEMM may stream (`beside_programs`): of x and adapter for S, and
+# fewer of dY and adapter for dS, since beside dX the one pass over dY gives way to two.
+BESIDE_ROWS = 576
+BESIDE_ROWS_DS = 512
 
 
 def beside_programs(meta: LoRABatchMeta, n_cols: int, forward: bool) -> int:
-    """Programs of a shrink beside the Gluon GEMM of `n_cols` output columns in `meta`'s layout
-    (`KernelConfig.shrink_beside_gemm`), S's before Y (`forward`) or dS's before dX, or 0: the
-    SMs the GEMM's grid leaves spare (`lora_gemm_gluon.spare_sms`), where they can shrink
-    every tile within about one tile's K loop of the GEMM, which is when the GEMM's first
-    tiles wait for S (or dS).
+    """Programs of a shrink beside the Gluon GEMM of `n_cols` output columns in `meta`'s layout,
+    S's before Y (`forward`) or dS's before dX, or 0: the SMs the GEMM's grid leaves spare
+    (`lora_gemm_gluon.spare_sms`), where they can shrink every tile within about one tile's K
+    loop of the GEMM, which is when the GEMM's first tiles wait for S (or dS).
 
     Each of them streams its share of the (tile, rank block) items, a block of block_m rows
     of x (dY) and one of block_r adapter rows per K step, at about 90 GB/s on an H200; one
     tile's K loop of the GEMM reads K columns too, at one SM's share of the matmul rate. So
     whatever K, the items per program times (block_m + block_r) must stay within a budget:
-    `config.beside_rows` for S, 576, about the break-even, and `config.beside_rows_ds` for
-    dS, 512, lower since beside dX the pass over dY that gives dS and dB together (ranks up
-    to 16) gives way to two. On an H200 at 2048 tokens of 4 adapters of rank 16 on 4 spare
-    SMs (576 each), the layer's forward took 3.5 and 10.3 us less (4096 -> 4096 and -> 14336),
-    its backward 4.8 us more and 19 less; at rank 64 (768) 30 and 162 us more (KERNELS_NOTES
-    v35)."""
+    `BESIDE_ROWS` for S, about the break-even, and `BESIDE_ROWS_DS` for dS, lower since
+    beside dX the pass over dY that gives dS and dB together (ranks up to 16) gives way to
+    two. At 2048 tokens of 4 adapters of rank 16 on 4 spare SMs (576 rows each) the layer
+    runs faster; at rank 64 (768 rows each) slower."""
     from .lora_gemm_gluon import spare_sms
 
-    cfg = meta.config
     spare = spare_sms(meta, n_cols)
     items = meta.n_tiles * cdiv(meta.max_rank, meta.block_r)
-    if not (cfg.shrink_beside_gemm and spare and items):
+    if not (spare and items):
         return 0
-    budget = cfg.beside_rows if forward else cfg.beside_rows_ds
-    return spare if cdiv(items, spare) * (cfg.block_m + meta.block_r) <= budget else 0
+    budget = BESIDE_ROWS if forward else BESIDE_ROWS_DS
+    return spare if cdiv(items, spare) * (meta.config.block_m + meta.block_r) <= budget else 0
 
 
 def _shrink_beside(a, weight, meta, forward) -> int:
     """`beside_programs` for the shrink that writes S (forward) or dS before the GEMM of `a` by
     `weight`, where that GEMM is the Gluon one and launched with PDL, else 0: the shrink
     before it, a program per output block. Not with dropout: the forward shrink's mask draw
-    runs at a third of its speed on whole tiles (v20), and dX adds its masked LoRA term
-    before its K loop."""
+    runs at a third of its speed on whole tiles, and dX adds its masked LoRA term before its
+    K loop."""
     from .lora_gemm import takes_gluon
 
     if not (meta.config.pdl and a.is_cuda) or meta.has_dropout:
         return 0
-    if not (_fuses_gemm(a, weight, meta, forward) and takes_gluon(a, meta)):
+    if not (_fuses_gemm(a, weight, meta) and takes_gluon(a, meta)):
         return 0
     return beside_programs(meta, weight.shape[0] if forward else weight.shape[1], forward)
 
@@ -121,7 +123,7 @@ def _base_plus_lora(a, weight, bias, s, lora_pack, meta, forward, mask_nibbles=N
     the LoRA term (`_fuses_gemm`), else cuBLAS and the LoRA term added in place."""
     from .lora_gemm import lora_gemm
 
-    fused = _fuses_gemm(a, weight, meta, forward)
+    fused = _fuses_gemm(a, weight, meta)
     if fused:
         out = a.new_empty(a.shape[0], weight.shape[0] if forward else weight.shape[1])
     else:
@@ -177,9 +179,8 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
             da = torch.empty(meta.r_total, x.shape[1], device=x.device, dtype=ctx.grad_dtype)
             # A second stream costs the host about 0.1 ms a call in events and switches: more
             # than it saves the GPU where a call is launched eagerly at a few thousand tokens,
-            # whose host time bounds it. A CUDA graph pays that once (KERNELS_NOTES v21).
-            if (wants_dx and meta.config.overlap_reductions and dy.is_cuda
-                    and torch.cuda.is_current_stream_capturing()):
+            # whose host time bounds it. A CUDA graph pays that once.
+            if wants_dx and dy.is_cuda and torch.cuda.is_current_stream_capturing():
                 dx = _dx_with_adapter_grads_beside(x, dy, weight, s, ds, a_pack, bt_pack, mask_nibbles, da, db,
                                                    meta, beside)
             elif beside:  # dS beside the dX GEMM; then dB, in a pass over dY of its own, and dA
@@ -200,8 +201,8 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
 
 
 def _dx_with_adapter_grads_beside(x, dy, weight, s, ds, a_pack, bt_pack, mask_nibbles, da, db, meta, beside):
-    """The backward with dA and dB on a second stream (`KernelConfig.overlap_reductions`):
-    nothing on the way to dX needs them. dA runs beside the dX GEMM; dB, where it takes a
+    """The backward with dA and dB on a second stream, under a CUDA graph: nothing on the way
+    to dX needs them. dA runs beside the dX GEMM; dB, where it takes a
     pass over dY of its own (ranks above 16), beside the dS shrink. Each is queued after the
     kernel it runs beside, so that that kernel's programs take the SMs first and the
     reduction fills what its last wave leaves idle. Where the dS shrink itself runs beside

@@ -11,7 +11,7 @@ reading and writing whole rows. Each element is read once in fp32 and written on
 whatever the number of adapters, in one launch: at 2048 tokens the packing is one of the
 small kernels that make up the layer's fixed cost. A cat of the A_i before a cast copies
 them once more in fp32; torch's transposing copy reads along one axis and writes along the
-other at about a quarter of the copy rate (KERNELS_NOTES v10). The address table is cached
+other at about a quarter of the copy rate. The address table is cached
 by the addresses: an adapter's tensors keep their storage while its optimizer updates them
 in place, and a table holds no values, so a hit is right whatever now lies at those
 addresses.

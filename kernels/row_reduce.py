@@ -5,12 +5,15 @@ dA_i = dS_i^T @ dropout(x_i)       ([r_i, in]; the mask the forward shrink store
 
 Stage 1 (`_row_reduce_kernel`): one program per (chunk, column block, rank block) sums its
 chunk's rows (chunks never span adapters) in fp32: whole steps of rows read through a TMA
-descriptor where TMA can describe x or dY, then the chunk's last rows, masked. When every
-adapter fits in one chunk it writes the final gradient directly; otherwise it writes a
-partial and stage 2 (`_chunk_sum_kernel`) adds an adapter's partials in chunk order. Both
-orders are fixed, so the gradients are deterministic (no atomics), and an adapter's chunks
-start at its own first row. The MMAs use the big operand's dtype (bf16 on GPU) with fp32
-accumulation; gradients are written in the adapters' dtype.
+descriptor where TMA can describe x or dY, then the chunk's last rows, masked. A chunk's
+rank blocks are neighbouring programs, which read the same tiles of x or dY (the second from
+L2), and each takes the smallest rank block that holds its adapter's rank
+(`fit_rank_block`). When every adapter fits in one chunk it writes the final gradient
+directly; otherwise it writes a partial and stage 2 (`_chunk_sum_kernel`) adds an adapter's
+partials in chunk order. Both orders are fixed, so the gradients are deterministic (no
+atomics), and an adapter's chunks start at its own first row. The MMAs use the big
+operand's dtype (bf16 on GPU) with fp32 accumulation; gradients are written in the
+adapters' dtype.
 """
 
 from __future__ import annotations
@@ -83,17 +86,12 @@ def _row_reduce_kernel(
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,  # the largest rank block; a grid axis covers the largest rank
-    FIT_RANK_BLOCK: tl.constexpr,  # each adapter's programs take the smallest rank block holding its rank
-    SPREAD_MASK: tl.constexpr,  # dA reads the keep-mask spread over x's columns (`load_keep_mask`)
-    RANK_FASTEST: tl.constexpr,  # grid (rank block, chunk, column block), else (chunk, column block, rank block)
+    BLOCK_R: tl.constexpr,  # the largest rank block; grid axis 0 covers the largest rank
     U_TMA: tl.constexpr,  # u's tiles through u_desc, else through pointers
 ):
-    if RANK_FASTEST:
-        # a chunk's rank blocks run side by side, so the second reads u's tile from L2
-        pid_r, chunk, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    else:
-        chunk, pid_n, pid_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # grid (rank block, chunk, column block): a chunk's rank blocks run side by side, so the
+    # second reads u's tile from L2
+    pid_r, chunk, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     adapter, row_start, row_end = load_row_block(chunks_ptr, chunk)
     rank, seg_start, seed, threshold, r_offset, scale, inv_keep = load_adapter(
         adapters_i_ptr, adapters_f_ptr, seeds_ptr, adapter, N_INT_COLS, N_FLOAT_COLS)
@@ -101,21 +99,20 @@ def _row_reduce_kernel(
     if r0 >= rank:
         return
     # the adapter's own rank block (as in the shrink): one body per block size, one run
-    fit = fit_rank_block(rank - r0, BLOCK_R) if FIT_RANK_BLOCK else BLOCK_R
+    fit = fit_rank_block(rank - r0, BLOCK_R)
     for halvings in tl.static_range(RANK_BLOCK_SIZES):
         if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:
             if fit == BLOCK_R >> halvings:
                 _reduce_rows(u_ptr, u_desc, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_end, r0, rank,
                              threshold, r_offset, scale, inv_keep, N, rank_stride, n_groups, stride_um, stride_vm,
-                             OUT_IS_B, DIRECT, HAS_DROPOUT, SPREAD_MASK, U_TMA, BLOCK_M, BLOCK_N,
-                             BLOCK_R >> halvings)
+                             OUT_IS_B, DIRECT, HAS_DROPOUT, U_TMA, BLOCK_M, BLOCK_N, BLOCK_R >> halvings)
 
 
 @triton.jit
 def _reduce_rows(u_ptr, u_desc, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_start, row_end, r0, rank, threshold,
                  r_offset, scale, inv_keep, N, rank_stride, n_groups, stride_um, stride_vm, OUT_IS_B: tl.constexpr,
-                 DIRECT: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPREAD_MASK: tl.constexpr, U_TMA: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                 DIRECT: tl.constexpr, HAS_DROPOUT: tl.constexpr, U_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program's sum over its chunk's rows, columns pid_n * BLOCK_N .. and rank columns
     r0 .. r0 + BLOCK_R: whole steps of BLOCK_M rows, then the chunk's last rows, masked."""
     n0 = pid_n * BLOCK_N
@@ -134,7 +131,7 @@ def _reduce_rows(u_ptr, u_desc, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_star
             ut = tl.load(u_ptr + rows[:, None].to(tl.int64) * stride_um + offs_n[None, :], mask=n_mask[None, :],
                          other=0.0)
         acc = _reduce_step(acc, ut, v_ptr, mask_ptr, rows, rows < row_end, threshold, offs_r, r_mask, n0,
-                           n_groups, stride_vm, OUT_IS_B, HAS_DROPOUT, SPREAD_MASK, BLOCK_N)
+                           n_groups, stride_vm, OUT_IS_B, HAS_DROPOUT, BLOCK_N)
     if full_end < row_end:
         # The last rows: zeroed past the chunk, where the next adapter's rows begin. Zeros in
         # v alone would not do: a non-finite value there (an adapter that diverged) times
@@ -144,7 +141,7 @@ def _reduce_rows(u_ptr, u_desc, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_star
         ut = tl.load(u_ptr + rows[:, None].to(tl.int64) * stride_um + offs_n[None, :],
                      mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         acc = _reduce_step(acc, ut, v_ptr, mask_ptr, rows, m_mask, threshold, offs_r, r_mask, n0, n_groups,
-                           stride_vm, OUT_IS_B, HAS_DROPOUT, SPREAD_MASK, BLOCK_N)
+                           stride_vm, OUT_IS_B, HAS_DROPOUT, BLOCK_N)
 
     if OUT_IS_B:
         coef = scale
@@ -155,13 +152,12 @@ def _reduce_rows(u_ptr, u_desc, v_ptr, out_ptr, mask_ptr, chunk, pid_n, row_star
 
 @triton.jit
 def _reduce_step(acc, ut, v_ptr, mask_ptr, rows, m_mask, threshold, offs_r, r_mask, n0, n_groups, stride_vm,
-                 OUT_IS_B: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPREAD_MASK: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 OUT_IS_B: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc += u's tile [BLOCK_M, BLOCK_N]^T (dropped, for dA) @ v's rows [BLOCK_M, BLOCK_R]."""
     if not OUT_IS_B:
         if HAS_DROPOUT:
             if threshold > 0:
-                keep = load_keep_mask(mask_ptr, rows.to(tl.int64), m_mask, n0, n_groups, BLOCK_N, SPREAD_MASK)
+                keep = load_keep_mask(mask_ptr, rows.to(tl.int64), m_mask, n0, n_groups, BLOCK_N)
                 ut = tl.where(keep, ut, tl.zeros_like(ut))
     vt = tl.load(v_ptr + rows[:, None].to(tl.int64) * stride_vm + offs_r[None, :],
                  mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
@@ -238,20 +234,15 @@ def lora_row_reduce(
     direct = meta.max_chunks_per_adapter <= 1
     part = out if direct else torch.empty(meta.n_chunks, N, meta.rank_stride, device=u.device,
                                           dtype=torch.float32)
-    u_tma = cfg.reduce_tma and tma_ready(u)
+    u_tma = tma_ready(u)
     u_desc = TensorDescriptor.from_tensor(u, [block_m, block_n]) if u_tma else u
-    grid = ((r_blocks, meta.n_chunks, n_blocks) if cfg.reduce_rank_fastest
-            else (meta.n_chunks, n_blocks, r_blocks))
-    _row_reduce_kernel[grid](
+    _row_reduce_kernel[(r_blocks, meta.n_chunks, n_blocks)](
         u, u_desc, v, part, mask_nibbles if has_dropout else v, *meta.chunk_args(),
         N, meta.rank_stride, cdiv(N, 4),
         u.stride(0), v.stride(0),
         OUT_IS_B=out_is_b,
         DIRECT=direct,
         HAS_DROPOUT=has_dropout,
-        FIT_RANK_BLOCK=cfg.fit_rank_block,
-        SPREAD_MASK=cfg.spread_mask,
-        RANK_FASTEST=cfg.reduce_rank_fastest,
         U_TMA=u_tma,
         N_INT_COLS=len(ADAPTER_INT_COLS),
         N_FLOAT_COLS=len(ADAPTER_FLOAT_COLS),
@@ -273,8 +264,8 @@ def chunk_sum(part: torch.Tensor, out: torch.Tensor, meta: LoRABatchMeta, N: int
 
     Its columns per program are its own, not the first stage's: an fp32 accumulator of
     `chunk_sum_values` (2048 on GPU, 16 registers a thread, so 128 columns of a rank block of
-    16 and 16 of one of 128). Stage 1's 256 columns of a 128-wide rank block made 256
-    registers a thread and spilled (KERNELS_NOTES v13)."""
+    16 and 16 of one of 128). Stage 1's 256 columns of a 128-wide rank block would take 256
+    registers a thread and spill."""
     block_n = max(16, meta.config.chunk_sum_values // block_r)
     _chunk_sum_kernel[(meta.adapters_i.shape[0], cdiv(N, block_n), cdiv(meta.max_rank, block_r))](
         part, out, meta.adapters_i, meta.adapters_f, meta.seeds,

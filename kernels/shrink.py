@@ -6,7 +6,7 @@ r_offset_i. Both shrinks read the same layout: row r_offset_i + r, column k.
 
 Forward, S = dropout(x) @ A_i^T ([tokens, rank], LoRAFusion's split point): the dropout
 mask is drawn from the adapter's seed in registers, so the dropped x never exists, and
-stored (`mask_nibbles`, one uint8 nibble per four columns) for the backward.
+stored (`mask_nibbles`: one uint8 per four columns, a bit each) for the backward.
 Backward, dS = scale_i * dY @ B_i ([tokens, rank]). Both read the big operand (x or dY)
 once when the pack's largest rank fits one rank block (<= 128); the MMAs use the big
 operand's dtype (bf16 on GPU) with fp32 accumulation; S / dS are stored in that dtype too,
@@ -20,9 +20,13 @@ rank-64 adapter would be cut to 16 rows to give every SM work, and read four byt
 adapter (from L2) for each byte of x or dY.
 
 Where the fused GEMM that reads S (dS) leaves SMs spare (`multi_lora.beside_programs`), the
-shrink runs beside it instead: a few programs, one per spare SM, each looping over whole
-tiles with K whole in long steps and deep pipelines, x (dY) through a TMA descriptor, while
-the GEMM runs its K loop on the other SMs (`lora_shrink(programs=...)`).
+shrink runs "beside" it, at the same time: a few programs, one per spare SM, each looping
+over whole tiles with K whole in long steps and deep pipelines, x (dY) through a TMA
+descriptor, while the GEMM runs its K loop on the other SMs (`lora_shrink(programs=...)`).
+
+Every program takes the smallest rank block that holds its adapter's rank
+(`fit_rank_block`), not the pack's largest, so that a rank-8 adapter in a pack of rank 128
+does not run 128-wide MMAs.
 """
 
 from __future__ import annotations
@@ -70,8 +74,7 @@ def _shrink_kernel(
     N_INT_COLS: tl.constexpr,
     N_FLOAT_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program: the tile table's block_m / grid axis 1
-    BLOCK_R: tl.constexpr,  # rank columns per program; grid axis 2 covers the largest rank
-    FIT_RANK_BLOCK: tl.constexpr,  # each adapter's program takes the smallest rank block holding its rank
+    BLOCK_R: tl.constexpr,  # rank columns per program at most; grid axis 2 covers the largest rank
     BLOCK_K: tl.constexpr,  # reduction step over K
     SPLIT_K: tl.constexpr,  # programs per output block, each over k_per_split columns of K
     LOOPED: tl.constexpr,  # a few programs (grid axis 0), each over every n-th (tile, rank block): beside the GEMM
@@ -85,13 +88,12 @@ def _shrink_kernel(
             _shrink_block(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr,
                           seeds_ptr, item // n_rank_blocks, 0, 0, item % n_rank_blocks, K, k_per_split, n_groups,
                           stride_xm, stride_om, stride_part, APPLY_SCALE, HAS_DROPOUT, EVEN_K, N_INT_COLS,
-                          N_FLOAT_COLS, BLOCK_M, BLOCK_R, FIT_RANK_BLOCK, BLOCK_K, SPLIT_K, X_TMA)
+                          N_FLOAT_COLS, BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, X_TMA)
     else:
         _shrink_block(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr,
                       seeds_ptr, tl.program_id(0), tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K,
                       tl.program_id(2), K, k_per_split, n_groups, stride_xm, stride_om, stride_part, APPLY_SCALE,
-                      HAS_DROPOUT, EVEN_K, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_R, FIT_RANK_BLOCK, BLOCK_K,
-                      SPLIT_K, X_TMA)
+                      HAS_DROPOUT, EVEN_K, N_INT_COLS, N_FLOAT_COLS, BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, X_TMA)
 
 
 @triton.jit
@@ -99,7 +101,7 @@ def _shrink_block(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, tiles_ptr, adapt
                   tile, sub_tile, split, pid_r, K, k_per_split, n_groups, stride_xm, stride_om, stride_part,
                   APPLY_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr,
                   N_INT_COLS: tl.constexpr, N_FLOAT_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                  FIT_RANK_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, X_TMA: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, X_TMA: tl.constexpr):
     """One output block: sub-tile `sub_tile` (BLOCK_M rows) of `tile`, rank block `pid_r`, split
     `split` of K; nothing where the tile has no LoRA, the rank block is past the adapter's rank
     or the sub-tile past the segment."""
@@ -111,7 +113,7 @@ def _shrink_block(x_ptr, lora_ptr, out_ptr, part_ptr, mask_ptr, tiles_ptr, adapt
     if r0 < rank and row_start < row_end:
         # the adapter's own rank block, so that a rank-8 adapter in a pack of rank 128 does not
         # run 128-wide MMAs: the body is compiled once per block size and each block runs one
-        fit = fit_rank_block(rank - r0, BLOCK_R) if FIT_RANK_BLOCK else BLOCK_R
+        fit = fit_rank_block(rank - r0, BLOCK_R)
         for halvings in tl.static_range(RANK_BLOCK_SIZES):
             if (BLOCK_R >> halvings) >= MIN_RANK_BLOCK:  # compile-time: smaller blocks do not exist
                 if fit == BLOCK_R >> halvings:
@@ -238,7 +240,7 @@ def lora_shrink(
 
     With `programs`, a few programs each take every programs-th (tile, rank block) in turn, K
     whole, so that the fused GEMM after it can run on the other SMs meanwhile
-    (`KernelConfig.shrink_beside_gemm`); otherwise a program per output block."""
+    (`multi_lora.beside_programs`); otherwise a program per output block."""
     assert x.is_contiguous() and lora_pack.is_contiguous() and out.shape == (x.shape[0], meta.rank_stride)
     assert lora_pack.dtype == x.dtype and lora_pack.shape[1] == x.shape[1]
     has_dropout = dropout and meta.has_dropout
@@ -253,7 +255,7 @@ def lora_shrink(
         bm, bk, k_splits = cfg.block_m, cfg.beside_block_k, 1
         stages = beside_stages(cfg, meta.block_r, x.device)
         grid = (min(programs, n_items), 1, 1)
-        x_tma = cfg.beside_tma and tma_ready(x)
+        x_tma = tma_ready(x)
     else:
         bm, bk, chosen_splits = shrink_launch(meta, K, has_dropout)
         k_splits = chosen_splits if k_splits is None else k_splits
@@ -274,7 +276,6 @@ def lora_shrink(
         APPLY_SCALE=apply_scale,
         HAS_DROPOUT=has_dropout,
         EVEN_K=K % bk == 0,
-        FIT_RANK_BLOCK=cfg.fit_rank_block,
         BLOCK_K=bk,
         SPLIT_K=k_splits,
         LOOPED=bool(programs),

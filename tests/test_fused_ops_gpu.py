@@ -172,14 +172,14 @@ def test_shrinks_split_over_k_bf16_against_float64(p):
 
 # fp16 models (`JobSpec.dtype="float16"`): the call's own config for 16-bit inputs (on Hopper the
 # fused GEMM, in Gluon where it runs), and the Triton GEMM
-@pytest.mark.parametrize("gluon", ["default", "never"])
+@pytest.mark.parametrize("gluon", ["default", "triton"])
 def test_multi_lora_linear_fp16_against_float64(gluon):
     from lora_sweep.kernels import metadata
 
     ranks = [128, 3, 64]
     config = metadata.config_for(max(ranks), True, metadata.fuses_base(torch.device("cuda"), 2))
-    if gluon == "never":
-        config = dataclasses.replace(config, gluon_gemm="never")
+    if gluon == "triton":
+        config = dataclasses.replace(config, gluon_gemm=False)
     _check_layer_against_float64([700, 5, 2100], ranks, 3584, 4096, config, "mixed", torch.float16)
 
 
@@ -187,16 +187,17 @@ _needs_gluon_gemm = pytest.mark.skipif(not gluon_gemm_runs(), reason="the Gluon 
                                    "and the Triton releases of `metadata.GLUON_TRITON_RELEASES`")
 
 
-# The shrinks beside the fused GEMMs (`KernelConfig.shrink_beside_gemm`): 512 rows on the SMs
-# that the GEMMs' grids leave spare, segments shorter than a tile, an adapter without rows,
-# rank 200 in two rank blocks; and the same layout with the shrinks before the GEMMs
+# The shrinks beside the fused GEMMs (`multi_lora.beside_programs`: on the SMs that the GEMMs'
+# grids leave spare, while the GEMMs run): 512 rows, segments shorter than a tile, an adapter
+# without rows, rank 200 in two rank blocks; and the same layout without programmatic dependent
+# launch, where the shrinks run before the GEMMs
 @_needs_gluon_gemm
 @pytest.mark.parametrize("beside", [True, False])
 def test_shrinks_beside_the_gemm_bf16_against_float64(beside):
     from lora_sweep.kernels import metadata, multi_lora
 
     seg_lens, ranks = [200, 5, 0, 77, 230], [16, 1, 8, 200, 64]
-    config = dataclasses.replace(metadata.config_for(max(ranks), True, True), shrink_beside_gemm=beside)
+    config = dataclasses.replace(metadata.config_for(max(ranks), True, True), pdl=beside)
     meta = metadata.LoRABatchMeta.build(seg_lens, [torch.empty(r, 4096) for r in ranks],
                                         [torch.empty(4096, r) for r in ranks], [1.0] * 5, [0.0] * 5,
                                         list(range(5)), 4096, 4096, torch.device("cuda"), config)
@@ -216,7 +217,7 @@ def test_shrinks_beside_the_gemm_bf16_against_float64(beside):
     ([300, 5, 0, 77, 1, 2000, 130], [16, 1, 8, 17, 70, 130, 200], 4096, 4096),
     ([1000, 24, 1000], [16, 16, 16], 3584, 18944),
 ])
-@pytest.mark.parametrize("gluon", ["always", "never"])
+@pytest.mark.parametrize("gluon", [True, False])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("p", [0.0, "mixed"])
 def test_gluon_gemm_bf16_against_float64(seg_lens, ranks, in_f, out_f, gluon, pdl, p):
@@ -242,7 +243,7 @@ def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself(dropout_p):
     weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) / in_f ** 0.5
     lora_a = [torch.randn(r, in_f, device="cuda") / in_f ** 0.5 for r in ranks]
     lora_b = [torch.randn(out_f, r, device="cuda") / r ** 0.5 for r in ranks]
-    config = dataclasses.replace(metadata.config_for(max(ranks), True, True), gluon_gemm="always")
+    config = dataclasses.replace(metadata.config_for(max(ranks), True, True), gluon_gemm=True)
     fn = functools.partial(triton_multi_lora_linear, config=config)
     args = (weight, None, lora_a, lora_b, [1.0, 2.0, 0.5], dropout_p, seg_lens, [1, 2, 3])
     clean = _layer_grads(fn, x, *args, dy, torch.bfloat16, torch.float32)
@@ -257,51 +258,11 @@ def test_gluon_gemm_keeps_a_diverged_adapters_rows_to_itself(dropout_p):
         assert torch.equal(poisoned[5 + i], clean[5 + i]), f"dB{i}"
 
 
-# Two schedules of the Gluon GEMM's LoRA term against the ones before them, on a pack whose
-# segments are shorter than a row block (blocks of several adapters, with the keep-mask and
-# without): `gluon_k_fits_rank`, where the largest rank (128) makes the rank step 64 and the
-# adapters of rank 8 and 16 take a wgmma 16 deep, the one of rank 32 one 32 deep (40 and 128
-# stay 64); `gluon_lora_buffers`, where ranks up to 32 let a tile load its block's next
-# adapter's operands while it adds this one's; `gluon_lora_in_ring`, where rank steps of 64
-# bring the unmasked term's operands through the K steps' ring rather than the output tile's
-# buffer.
-@_needs_gluon_gemm
-@pytest.mark.parametrize("field,before,ranks", [("gluon_k_fits_rank", False, [8, 128, 16, 32, 40]),
-                                               ("gluon_lora_buffers", 1, [8, 32, 16, 1, 20]),
-                                               ("gluon_lora_in_ring", False, [8, 128, 16, 32, 40])])
-@pytest.mark.parametrize("dropout_p", [[0.0] * 5, [0.1, 0.0, 0.2, 0.0, 0.1]])
-def test_gluon_lora_term_schedules_change_no_bit(field, before, ranks, dropout_p):
-    """Y, dX and every gradient are bit for bit those of the schedule before: a deeper wgmma
-    adds products of zeroed ranks, and a second buffer or the ring only loads earlier."""
-    from lora_sweep.kernels import metadata, triton_multi_lora_linear
-
-    torch.manual_seed(11)
-    seg_lens, in_f, out_f = [50, 300, 5, 200, 400], 1024, 2048
-    x = torch.randn(sum(seg_lens), in_f, device="cuda")
-    dy = torch.randn(sum(seg_lens), out_f, device="cuda")
-    weight = torch.randn(out_f, in_f, device="cuda") / in_f ** 0.5
-    bias = torch.randn(out_f, device="cuda")
-    lora_a = [torch.randn(r, in_f, device="cuda") / in_f ** 0.5 for r in ranks]
-    lora_b = [torch.randn(out_f, r, device="cuda") / r ** 0.5 for r in ranks]
-    default = dataclasses.replace(metadata.config_for(max(ranks), True, True), gluon_gemm="always")
-    if field == "gluon_lora_buffers":  # they hold the term's operands only outside the ring
-        default = dataclasses.replace(default, gluon_lora_in_ring=False)
-    assert getattr(default, field) != before
-    args = (weight, bias, lora_a, lora_b, [2.0, 1.0, 0.5, 4.0, 0.25], dropout_p, seg_lens, [1, 2, 3, 4, 5])
-    now, then = (_layer_grads(functools.partial(triton_multi_lora_linear, config=config), x, *args, dy,
-                              torch.bfloat16, torch.float32)
-                 for config in (default, dataclasses.replace(default, **{field: before})))
-    for name, got, want in zip(["y", "dx"] + [f"dA{i}" for i in range(5)] + [f"dB{i}" for i in range(5)],
-                               now, then):
-        assert torch.isfinite(got).all() and torch.equal(got, want), name
-
-
 @_needs_gluon_gemm
 def test_gluon_gemm_dispatch_eagerly_and_in_graphs():
-    """On Hopper the default (`gluon_gemm="always"`) runs the Gluon GEMM in eager calls, as the
-    profiler names the kernels; with "in_graphs" a call captured in a CUDA graph runs the
-    Gluon GEMM and an eager call the Triton one. The replay gives bit for bit what the Gluon
-    GEMM gives eagerly, the eager call what the Triton GEMM gives ("never")."""
+    """On Hopper the default (`gluon_gemm=True`) runs the Gluon GEMM, as the profiler names the
+    kernels, in eager calls and in a CUDA graph, whose replay gives bit for bit what the eager
+    call gives; `gluon_gemm=False` runs the Triton GEMM."""
     from torch.profiler import ProfilerActivity, profile
 
     from lora_sweep.kernels import metadata, triton_multi_lora_linear
@@ -315,10 +276,10 @@ def test_gluon_gemm_dispatch_eagerly_and_in_graphs():
     lora_b = [(torch.randn(out_f, r, device="cuda") / r ** 0.5).requires_grad_(True) for r in ranks]
     dy = torch.randn(sum(seg_lens), out_f, device="cuda", dtype=torch.bfloat16)
     default = metadata.config_for(max(ranks), True, True)
-    assert default.gluon_gemm == "always"
+    assert default.gluon_gemm
 
-    def step(mode):
-        config = dataclasses.replace(default, gluon_gemm=mode)
+    def step(gluon):
+        config = dataclasses.replace(default, gluon_gemm=gluon)
         y = triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, [2.0, 1.0, 0.5], [0.0] * 3, seg_lens,
                                      [1, 2, 3], config=config)
         y.backward(dy)
@@ -333,22 +294,20 @@ def test_gluon_gemm_dispatch_eagerly_and_in_graphs():
             torch.cuda.synchronize()
         return {e.name for e in prof.events()}
 
-    gluon, triton_gemm = [], step("never")
-    names = kernels_run(lambda: gluon.extend(step("always")))
+    gluon = []
+    names = kernels_run(lambda: gluon.extend(step(True)))
     assert "_lora_gemm_gluon_kernel" in names and "_lora_gemm_kernel" not in names
-    eager = []
-    names = kernels_run(lambda: eager.extend(step("in_graphs")))
+    names = kernels_run(lambda: step(False))
     assert "_lora_gemm_kernel" in names and "_lora_gemm_gluon_kernel" not in names
-    assert all(torch.equal(g, w) for g, w in zip(eager, triton_gemm))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step("in_graphs")
+        step(True)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = step("in_graphs")
+        got = step(True)
     names = kernels_run(graph.replay)
     assert "_lora_gemm_gluon_kernel" in names and "_lora_gemm_kernel" not in names
     assert all(torch.equal(g, w) for g, w in zip(got, gluon))
@@ -358,8 +317,7 @@ def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
     """Several CUDA graphs of the packed layer (fused or cuBLAS base, dropout, one or two
     passes over dY), captured one after the other and all kept alive, then replayed in turn:
     each replay gives bit for bit what the same call computes eagerly. Under capture the
-    adapter gradients run on the backward's second stream (`overlap_reductions`), eagerly in
-    line: a side-stream kernel that started before its inputs were written, or a gradient
+    adapter gradients run on the backward's second stream, eagerly in line: a side-stream kernel that started before its inputs were written, or a gradient
     read before that stream finished, would show as a difference. The graphs share the
     cached routing and seed tables, built before capture; the caller keeps each graph's
     inputs (x, dY) alive, as CUDA graphs require."""
@@ -376,15 +334,14 @@ def test_graphs_of_the_layer_kept_alive_together_replay_what_eager_computes():
     calls = {"fused_base": (fused, 0.0), "cublas_base": (cublas, 0.0), "dropout": (fused, 0.1),
              "two_passes_over_dy": (dataclasses.replace(fused, one_pass_dy=False), 0.0),
              "one_pass_over_dy": (dataclasses.replace(fused, one_pass_dy=True), 0.0),
-             "reductions_in_line": (dataclasses.replace(fused, overlap_reductions=False), 0.1),
              # programmatic dependent launch: the GEMMs start before the shrink or the dS sum ends
              "pdl": (dataclasses.replace(fused, pdl=True), 0.0),
              "pdl_dropout": (dataclasses.replace(fused, pdl=True), 0.1),
              "pdl_two_passes_over_dy": (dataclasses.replace(fused, pdl=True, one_pass_dy=False), 0.0),
              # the fused GEMMs in Triton where the Gluon one would run (Hopper)
-             "triton_gemm": (dataclasses.replace(fused, gluon_gemm="never"), 0.0),
-             "triton_gemm_dropout": (dataclasses.replace(fused, gluon_gemm="never"), 0.1),
-             "triton_gemm_pdl": (dataclasses.replace(fused, gluon_gemm="never", pdl=True), 0.0)}
+             "triton_gemm": (dataclasses.replace(fused, gluon_gemm=False), 0.0),
+             "triton_gemm_dropout": (dataclasses.replace(fused, gluon_gemm=False), 0.1),
+             "triton_gemm_pdl": (dataclasses.replace(fused, gluon_gemm=False, pdl=True), 0.0)}
 
     def step(config, p, dy):
         y = triton_multi_lora_linear(x, weight, None, lora_a, lora_b, [2.0, 1.0, 0.5, 4.0], [p] * len(ranks),

@@ -19,8 +19,8 @@ from compile_offline import compile_in_fresh_process, resource_usage
 
 HOPPER_SHARED_BYTES = 227 * 1024  # a block's shared memory at most on sm_90 (opt-in)
 # forward, out_dropout, has_bias, ranks per LoRA step (16: the unmasked term's operands in two
-# buffers of the output tile's; 64: through the ring, `lora_in_ring`, and the steps of 16 and
-# 32 ranks that `KernelConfig.gluon_k_fits_rank` takes)
+# buffers in the output tile's; 64: through the K steps' ring, `lora_in_ring`, with the wgmmas
+# 16 and 32 deep that an adapter of a smaller rank takes)
 VARIANTS = {"Y": (True, False, False, 16), "Y_bias": (True, False, True, 16), "dX": (False, False, False, 16),
             "dX_dropout": (False, True, False, 16), "Y_rank_step_64": (True, False, False, 64),
             "dX_rank_step_64": (False, False, False, 64)}
@@ -35,7 +35,6 @@ def compile_for_hopper(forward: bool, out_dropout: bool, has_bias: bool, r_step:
     from triton.runtime.jit import mangle_type
 
     from lora_sweep.kernels import lora_gemm_gluon as g
-    from lora_sweep.kernels.metadata import KernelConfig
 
     M, K, N, block_m = 256, 128, 512, 128
     bf16 = dict(dtype=torch.bfloat16)
@@ -46,8 +45,8 @@ def compile_for_hopper(forward: bool, out_dropout: bool, has_bias: bool, r_step:
     pointers = dict(bias_ptr="*bf16", mask_ptr="*u8", block_tiles_ptr="*i64", tiles_ptr="*i64",
                     adapters_i_ptr="*i64", adapters_f_ptr="*fp32")
     constants = dict(FORWARD=forward, OUT_DROPOUT=out_dropout, HAS_BIAS=has_bias, STAGES=g.STAGES, GROUP_M=8,
-                     PDL=True, FIT_K=True, LORA_SLOTS=g.lora_slots(r_step, KernelConfig()),
-                     LORA_IN_RING=g.lora_in_ring(r_step, KernelConfig()), num_warps=g.NUM_WARPS)
+                     PDL=True, LORA_SLOTS=g.lora_slots(r_step, block_m), LORA_IN_RING=g.lora_in_ring(r_step, block_m),
+                     num_warps=g.NUM_WARPS)
     kernel = g._lora_gemm_gluon_kernel
     signature = {name: mangle_type(descs[name]) if name in descs else pointers.get(name)
                  or ("constexpr" if name in constants else "i32") for name in kernel.arg_names}

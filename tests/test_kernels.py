@@ -55,34 +55,16 @@ TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2
 CONFIGS = {
     "fused": INTERPRET_CONFIG,
     "cublas_base": dataclasses.replace(INTERPRET_CONFIG, fused_base=False),
-    "fused_y_only": dataclasses.replace(INTERPRET_CONFIG, fuse_dx=False),  # dX: cuBLAS + the in-place add
-    # 32-row tiles; the shrink runs one 32-row program per tile, or two 16-row programs with a
-    # doubled K step where the layout has few tiles (`shrink_blocks`, K not split); 64-row chunks
-    # sum partials of several tiles
-    "split_chunks": dataclasses.replace(INTERPRET_CONFIG, block_m=32, shrink_block_m=32, chunk_rows=64,
-                                        shrink_split_k=False),
-    # every adapter in one chunk: the reduction writes the gradients directly (the chunks stay
-    # whole even where that leaves the interpreter's 4 "SMs" idle, `reduce_chunk_rows`)
-    "direct": dataclasses.replace(INTERPRET_CONFIG, chunk_rows=4096, chunks_fill_sms=False),
+    # 32-row tiles; the shrink runs one 32-row program per tile, or smaller programs with a
+    # doubled K step where the layout has few tiles (`shrink_blocks`); 64-row chunks sum
+    # partials of several tiles
+    "split_chunks": dataclasses.replace(INTERPRET_CONFIG, block_m=32, shrink_block_m=32, chunk_rows=64),
+    # chunks of up to 4096 rows: an adapter is one chunk unless the interpreter's 4 "SMs" would
+    # idle (`reduce_chunk_rows`), and the reductions write most gradients directly
+    "direct": dataclasses.replace(INTERPRET_CONFIG, chunk_rows=4096),
     # dS by the shrink and dB by the row reduction, two passes over dY (the other configs take
     # one pass, `ds_db.py`, wherever every rank fits one rank block)
     "two_pass_dy": dataclasses.replace(INTERPRET_CONFIG, one_pass_dy=False),
-    # every program of the shrinks and reductions runs the pack's largest rank block (the others
-    # take their adapter's own, `fit_rank_block`)
-    "one_rank_block": dataclasses.replace(INTERPRET_CONFIG, fit_rank_block=False),
-    # the backward reads the dropout mask joined from its four bits (the others spread over the
-    # columns, `load_keep_mask`)
-    "joined_mask": dataclasses.replace(INTERPRET_CONFIG, spread_mask=False),
-    # the fused GEMM adds an unmasked LoRA term before its K loop (the others after it)
-    "lora_term_first": dataclasses.replace(INTERPRET_CONFIG, lora_term_last=False),
-    # the row reductions read x and dY through pointers, a chunk's rank blocks far apart in the
-    # grid (the others: TMA where the width allows, rank blocks side by side)
-    "reduce_by_pointers": dataclasses.replace(INTERPRET_CONFIG, reduce_tma=False, reduce_rank_fastest=False),
-    # the fused GEMM's dX runs one program per tile (the others: persistent, as its Y)
-    "per_tile_dx": dataclasses.replace(INTERPRET_CONFIG, gemm_persistent_dx=False),
-    # the shrinks split K over programs even where a split has one K step (the others keep four,
-    # which the small widths here never leave room for: `shrink_k_splits`)
-    "split_k": dataclasses.replace(INTERPRET_CONFIG, shrink_split_min_steps=1),
 }
 
 
@@ -221,35 +203,32 @@ def test_one_pass_over_dy_in_column_groups_matches_reference(out_f):
     check_against_reference(case, INTERPRET_CONFIG)
 
 
-@pytest.mark.parametrize("fill_sms", [True, False])
-def test_one_pass_over_dy_on_half_column_blocks_matches_reference(fill_sms):
+def test_one_pass_over_dy_on_half_column_blocks_matches_reference():
     # one adapter of 30 rows, a chunk of two row steps: on 32 columns a block the pass over dY
     # runs 2 programs on the interpreter's 4 "SMs", so it takes blocks of 16 (`ds_db_blocks`),
-    # 3 programs for 40 columns, still one wave, the last block past the edge; the full blocks
-    # where that rule is off
+    # 3 programs for 40 columns, still one wave, the last block past the edge
     from lora_sweep.kernels.ds_db import ds_db_blocks
 
-    config = dataclasses.replace(INTERPRET_CONFIG, ds_db_block_n=32, ds_db_warps=4, ds_db_fill_sms=fill_sms)
+    config = dataclasses.replace(INTERPRET_CONFIG, ds_db_block_n=32, ds_db_warps=4)
     torch.manual_seed(3)
     lora_a, lora_b = [torch.randn(7, 40, requires_grad=True)], [torch.randn(40, 7, requires_grad=True)]
     case = (torch.randn(30, 40, requires_grad=True), torch.randn(40, 40), torch.randn(40), lora_a, lora_b, [2.0],
             [0.1], [30], [5])
     meta = _meta(case, config)
     assert meta.n_chunks == 1 and meta.longest_chunk == 30
-    assert ds_db_blocks(meta, 40) == ((16, 2) if fill_sms else (32, 4))
+    assert ds_db_blocks(meta, 40) == (16, 2)
     check_against_reference(case, config)
 
 
-@pytest.mark.parametrize("config", ["fused", "lora_term_first", "cublas_base"])
+@pytest.mark.parametrize("config", ["fused", "cublas_base"])
 def test_matches_reference_above_one_rank_step(config):
     # ranks past the GEMM's rank step of 64 (`rank_blocks`): the LoRA term takes two and three steps
     check_against_reference(random_case(4, 11, ranks=(5, 70, 130)), CONFIGS[config])
 
 
-@pytest.mark.parametrize("config", ["fused", "lora_term_first"])
-def test_matches_reference_without_dropout(config):
-    # no mask on dX's LoRA term either: both fused GEMMs take it after their K loop (or before)
-    check_against_reference(random_case(5, 31, dropout=False, ranks=(3, 16, 17, 40)), CONFIGS[config])
+def test_matches_reference_without_dropout():
+    # no mask on dX's LoRA term either: both fused GEMMs add it after their K loop
+    check_against_reference(random_case(5, 31, dropout=False, ranks=(3, 16, 17, 40)), CONFIGS["fused"])
 
 
 def test_large_ranks_span_several_rank_blocks():
@@ -306,16 +285,16 @@ def test_shrink_programs_shrink_where_the_layout_has_few_tiles():
     assert shrink_blocks(16, 1, 16, cfg, 132, h100) == (16, 256)
     # 16384 tokens: 128 tiles already give 256 programs of 64 rows
     assert shrink_blocks(128, 1, 16, cfg, 132, h100) == (64, 64)
-    # rank blocks of 128 columns, rows halved (K not split): the K step stops growing where the
-    # buffers would not fit
-    cfg128 = dataclasses.replace(config_for(128, True, True), shrink_split_k=False)
+    # rank blocks of 128 columns, rows halved to 16 (the shrink that draws the mask, K not
+    # split): the K step stops growing where the buffers would not fit
+    cfg128 = config_for(128, True, True)
     for stage_bytes in (h100, 96 * 1024):
         bm, bk = shrink_blocks(16, 1, 128, cfg128, 132, stage_bytes)
         assert bm == 16 and (bm + 128) * bk * 2 * cfg128.shrink_stages <= stage_bytes
     assert shrink_blocks(16, 1, 128, cfg128, 132, h100) == (16, 128)
     case = random_case(2, 5, max_rows=24)
     meta = _meta(case, CONFIGS["split_chunks"])  # 2 tiles at most, 4 "SMs" on the interpreter
-    assert (meta.shrink_block_m, meta.shrink_block_k) == (16, 2 * CONFIGS["split_chunks"].shrink_block_k)
+    assert (meta.mask_shrink_block_m, meta.mask_shrink_block_k) == (16, 2 * CONFIGS["split_chunks"].shrink_block_k)
 
 
 def test_shrinks_split_k_rather_than_cut_rows_below_the_rank_block():
@@ -324,18 +303,15 @@ def test_shrinks_split_k_rather_than_cut_rows_below_the_rank_block():
     # 2048 tokens, 4 adapters r64 (16 tiles): rows stop at 64, and K splits four ways to fill 132 SMs
     assert split_min_rows(cfg, 64) == 64
     assert shrink_blocks(16, 1, 64, cfg, 132, h100, split_min_rows(cfg, 64)) == (64, 64)
-    assert shrink_k_splits(16 * 2, 14336, 64, cfg, 132) == 4
-    assert shrink_k_splits(16 * 2, 512, 64, cfg, 132) == 2  # each split keeps four K steps
-    assert shrink_k_splits(128 * 2, 4096, 64, cfg, 132) == 1  # 16384 tokens: the tiles fill the SMs
-    # without splits, and for the shrink that draws the mask, rows halve to 16 as before
-    no_split = dataclasses.replace(cfg, shrink_split_k=False)
-    assert split_min_rows(no_split, 64) == 16
+    assert shrink_k_splits(16 * 2, 14336, 64, 132) == 4
+    assert shrink_k_splits(16 * 2, 512, 64, 132) == 2  # each split keeps four K steps
+    assert shrink_k_splits(128 * 2, 4096, 64, 132) == 1  # 16384 tokens: the tiles fill the SMs
+    # for the shrink that draws the mask, whose K is never split, rows halve to 16
     assert shrink_blocks(16, 1, 64, cfg, 132, h100)[0] == 16
-    assert shrink_k_splits(16 * 2, 14336, 64, no_split, 132) == 1
     # rank 16: 16-row programs read no more of their adapter than of x; they fill the SMs unsplit
     cfg16 = config_for(16, True, True)
     assert shrink_blocks(16, 1, 16, cfg16, 132, h100, split_min_rows(cfg16, 16)) == (16, 256)
-    assert shrink_k_splits(16 * 8, 4096, 256, cfg16, 132) == 1
+    assert shrink_k_splits(16 * 8, 4096, 256, 132) == 1
 
 
 def test_shrink_splits_count_the_programs_with_rows():
@@ -379,16 +355,16 @@ def test_shrink_split_over_k_equals_whole_k(k_splits):
             assert torch.equal(masks[0], masks[1])
 
 
-@pytest.mark.parametrize("programs,x_tma", [(1, True), (3, True), (3, False)])
-def test_shrink_beside_the_gemm_equals_a_program_per_block(programs, x_tma):
+@pytest.mark.parametrize("programs", [1, 3])
+def test_shrink_beside_the_gemm_equals_a_program_per_block(programs):
     # a few programs, each looping over whole tiles with K whole in steps of `beside_block_k`
     # (K of 100 and 136: the last step ends mid-step), x's blocks through TMA (whole blocks
-    # of rows, whatever the tile's) or pointers; rank 130 takes two rank blocks, so the
-    # programs loop over rank blocks too; empty and one-row segments, adapters without LoRA
+    # of rows, whatever the tile's); rank 130 takes two rank blocks, so the programs loop over
+    # rank blocks too; empty and one-row segments, adapters without LoRA
     case = random_case(7, 3, in_f=100, out_f=136, dropout=False, ranks=(1, 16, 33, 130))
     x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
     x = x.detach()
-    meta = _meta(case, dataclasses.replace(CONFIGS["fused"], beside_tma=x_tma))
+    meta = _meta(case, CONFIGS["fused"])
     assert meta.max_rank > meta.block_r and not meta.has_dropout
     a_pack, bt_pack = pack_adapters(*_adapters_with_rows(lora_a, lora_b, meta), x.dtype)
     dy = torch.randn(x.shape[0], weight.shape[0])
@@ -420,8 +396,8 @@ def test_shrinks_go_beside_the_gemm_where_the_spare_sms_can_stream_every_tile():
     # for dS (512); 20 SMs beside dX of 3584 columns (112 programs of two pairs), enough for
     # 32 tiles of rank up to 128; 512 tokens leave 68 beside a GEMM of 4096 columns, 20
     # beside one of 14336 (224 pairs: 112 programs of two)
-    def programs(tokens, n, rank, n_cols, forward=True, **changes):
-        cfg = dataclasses.replace(config_for(rank, True, True), **changes)
+    def programs(tokens, n, rank, n_cols, forward=True):
+        cfg = config_for(rank, True, True)
         meta = LoRABatchMeta.build([tokens // n] * n, [torch.empty(rank, 64)] * n, [torch.empty(64, rank)] * n,
                                    [1.0] * n, [0.0] * n, list(range(n)), 64, 64, torch.device("cpu"), cfg)
         return beside_programs(dataclasses.replace(meta, sm_count=132), n_cols, forward)
@@ -431,15 +407,16 @@ def test_shrinks_go_beside_the_gemm_where_the_spare_sms_can_stream_every_tile():
     assert programs(2048, 4, 64, 4096) == programs(2048, 32, 16, 4096) == 0
     assert [programs(2048, 32, rank, 3584, forward=False) for rank in (16, 64, 128)] == [20, 20, 20]
     assert programs(512, 4, 128, 4096) == 68 and programs(512, 4, 16, 14336, forward=False) == 20
-    assert programs(2048, 4, 16, 3584, forward=False, shrink_beside_gemm=False) == 0
 
 
 def test_matches_reference_with_the_shrinks_split_over_k():
-    case = random_case(1, 5, in_f=100, out_f=136)
-    x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
-    meta = _meta(case, CONFIGS["split_k"])
-    assert meta.k_splits(100) > 1 and meta.k_splits(136) > 1  # both shrinks split, on the interpreter's 4 "SMs"
-    check_against_reference(case, CONFIGS["split_k"])
+    # one row of one adapter, K of 264 and 300 in steps of 32 (the last split ends mid-step):
+    # each shrink that draws no mask splits K over programs, each keeping
+    # `SHRINK_SPLIT_MIN_STEPS` K steps, on the interpreter's 4 "SMs"
+    case = random_case(1, 5, in_f=264, out_f=300, dropout=False)
+    meta = _meta(case, CONFIGS["fused"])
+    assert meta.k_splits(264) > 1 and meta.k_splits(300) > 1
+    check_against_reference(case, CONFIGS["fused"])
 
 
 def test_reduction_chunks_shrink_until_every_sm_has_a_program():
@@ -452,7 +429,6 @@ def test_reduction_chunks_shrink_until_every_sm_has_a_program():
     assert reduce_chunk_rows([64] * 32, [True] * 32, 16, cfg, 132) == 1024  # 32 short adapters, 32 chunks
     assert reduce_chunk_rows([2048, 4096], [True, False], 32, cfg, 132) == 512  # rows without LoRA: no chunks
     assert reduce_chunk_rows([2048], [True], 32, cfg, 10**6) == 128  # never below the tile height
-    assert reduce_chunk_rows([2048], [True], 32, dataclasses.replace(cfg, chunks_fill_sms=False), 132) == 1024
     # on the interpreter (4 "SMs"): one adapter's 24 rows, 24 -> 16 columns (one column block per
     # chunk in each reduction), make one chunk of the config's 32 rows, so they split into 2 of
     # 16; the gradients match the reference
@@ -467,7 +443,7 @@ def test_reduction_chunks_shrink_until_every_sm_has_a_program():
 def test_reduction_pipelines_no_deeper_than_their_chunks():
     # chunks of 64-row steps: 32 adapters of 64 rows take one step each, 128-row segments two,
     # and longer ones the config's three stages; rows without LoRA make no chunks
-    cfg = dataclasses.replace(INTERPRET_CONFIG, block_m=64, chunk_rows=1024, chunks_fill_sms=False)
+    cfg = dataclasses.replace(INTERPRET_CONFIG, block_m=64, chunk_rows=1024)
     x, w = torch.randn(1, 8), torch.randn(8, 8)
 
     def stages(seg_lens, ranks, config=cfg):
@@ -480,7 +456,6 @@ def test_reduction_pipelines_no_deeper_than_their_chunks():
     assert stages([128, 40], [16, 16]) == 2
     assert stages([4000, 64], [16, 16]) == cfg.reduce_stages == 3
     assert stages([64, 4000], [16, 0]) == 1
-    assert stages([64] * 32, [16] * 32, dataclasses.replace(cfg, stages_fit_chunks=False)) == 3
 
 
 def test_db_steps_are_no_taller_than_the_chunks_need():
@@ -618,7 +593,7 @@ def test_packed_adapters_equal_the_reference(dtype):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("config", ["fused", "split_chunks", "lora_term_first", "per_tile_dx"])
+@pytest.mark.parametrize("config", ["fused", "split_chunks"])
 def test_each_kernel_matches_its_reference(config):
     case = random_case(6, 21)
     x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seeds = case
@@ -675,18 +650,23 @@ def test_each_kernel_matches_its_reference(config):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the diverged rows' own sums
-@pytest.mark.parametrize("config", ["fused", "reduce_by_pointers"])
-def test_a_diverged_adapter_leaves_its_neighbours_gradients_alone(config):
+@pytest.mark.parametrize("tma", [True, False])
+def test_a_diverged_adapter_leaves_its_neighbours_gradients_alone(tma, monkeypatch):
     # Adapter 1's dY and x rows are non-finite (a diverged trial). Its neighbours' chunks end
     # mid-step, where a reduction's last step reads past them into adapter 1's rows: their
-    # dA and dB must still be exactly what they are without adapter 1's rows poisoned.
+    # dA and dB must still be exactly what they are without adapter 1's rows poisoned. The
+    # reductions read x and dY through TMA, or through pointers, as on a GPU without TMA.
+    from lora_sweep.kernels import row_reduce
+
+    if not tma:
+        monkeypatch.setattr(row_reduce, "tma_ready", lambda *tensors: False)
     torch.manual_seed(5)
     seg_lens, ranks, in_f, out_f = [21, 19, 23], [16, 33, 5], 40, 56
     lora_a = [torch.randn(r, in_f) for r in ranks]
     lora_b = [torch.randn(out_f, r) for r in ranks]
     weight = torch.randn(out_f, in_f)
     case = (torch.randn(63, in_f), weight, None, lora_a, lora_b, [1.0, 2.0, 0.5], [0.0] * 3, seg_lens, [1, 2, 3])
-    meta = _meta(case, CONFIGS[config])
+    meta = _meta(case, CONFIGS["fused"])
     rows = [slice(0, 21), slice(21, 40), slice(40, 63)]
     x, dy = torch.randn(63, in_f), torch.randn(63, out_f)
     s, ds = torch.randn(63, meta.rank_stride), torch.randn(63, meta.rank_stride)

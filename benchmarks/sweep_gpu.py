@@ -26,7 +26,6 @@ left out of every timing (random weights would flatter a load time).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -278,28 +277,6 @@ def throughput(models, seqs, adapter_counts, batches, peak, warmup, steps, log) 
     return rows_out
 
 
-@contextlib.contextmanager
-def triton_gemm_eagerly(on: bool):
-    """With `on`, every call's kernel config keeps eager calls on the Triton GEMM and runs the
-    Gluon one in CUDA graphs only (`KernelConfig.gluon_gemm="in_graphs"`, where the default on
-    Hopper is "always"): an A/B of what the Gluon GEMM's launch costs the host, and gives the
-    GPU, in a real step. No effect off Hopper, where neither config runs it."""
-    from lora_sweep.kernels import multi_lora
-
-    default = multi_lora.config_for
-
-    def config_for(*args, **kwargs):
-        config = default(*args, **kwargs)
-        return config if config.gluon_gemm == "never" else dataclasses.replace(config, gluon_gemm="in_graphs")
-
-    if on:
-        multi_lora.config_for = config_for
-    try:
-        yield
-    finally:
-        multi_lora.config_for = default
-
-
 def kernels(model_name, seq, n, peak, warmup, steps, log) -> dict:
     model = build_model(model_name)
     rows = synthetic_rows(512, seq, seed=1)
@@ -308,12 +285,10 @@ def kernels(model_name, seq, n, peak, warmup, steps, log) -> dict:
     trials = [ls.TrialConfig(rank=16, alpha=32, dropout=0.0, batch_size=1, max_steps=10**6, seed=i,
                              trial_id=f"t{i}") for i in range(n)]
     out = {}
-    # the kernels with the default config, then with the Triton GEMM in eager calls (on Hopper the
-    # default runs the Gluon one), twice in turn, then the torch path
-    for mode in ("triton", "triton_gemm_eagerly", "triton_again", "triton_gemm_eagerly_again", "torch"):
-        os.environ["LORA_SWEEP_KERNELS"] = "torch" if mode == "torch" else "triton"
-        with triton_gemm_eagerly(mode.startswith("triton_gemm_eagerly")):
-            r = time_packed(model, trials, rows, seq, warmup, steps, gpu_busy=True)
+    # the kernels, then the torch path
+    for mode in ("triton", "torch"):
+        os.environ["LORA_SWEEP_KERNELS"] = mode
+        r = time_packed(model, trials, rows, seq, warmup, steps, gpu_busy=True)
         out[mode] = {"tokens_per_s": r["tokens_per_step"] / r["median_step_s"], "median_step_s": r["median_step_s"],
                      "gpu_s_per_step": r["gpu_s_per_step"], "gpu_busy": r["gpu_s_per_step"] / r["median_step_s"],
                      "peak_memory_gb": r["peak_memory_gb"]}
@@ -321,8 +296,6 @@ def kernels(model_name, seq, n, peak, warmup, steps, log) -> dict:
             f"GPU busy {out[mode]['gpu_busy']:.0%} of a step")
     os.environ.pop("LORA_SWEEP_KERNELS")
     out["speedup"] = out["triton"]["tokens_per_s"] / out["torch"]["tokens_per_s"]
-    out["default_over_triton_gemm_eagerly"] = [
-        out[f"triton{s}"]["tokens_per_s"] / out[f"triton_gemm_eagerly{s}"]["tokens_per_s"] for s in ("", "_again")]
     del model
     torch.cuda.empty_cache()
     return {"model": model_name, "seq": seq, "adapters": n, **out}

@@ -177,17 +177,10 @@ def test_invalid_and_diverging_configs_fail_alone(spec):
     assert study.trials[0].user_attrs["pack_id"] is None  # never joined a job
 
 
-def test_a_trial_out_of_memory_fails_alone(spec, monkeypatch):
-    """With the engine's OOM test hook, every microbatch runs out of memory while trial 2 is in
-    the job: the engine moves it out until its pack-mates finish, then it fails alone."""
-    doomed = "oom-trial-2"
-
-    class TightMemoryJob(ls.PackedJob):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.simulated_oom = lambda padded_tokens, active_adapters: doomed in self.trials
-
-    monkeypatch.setattr(lso, "PackedJob", TightMemoryJob)
+def test_a_trial_out_of_memory_fails_alone(spec, out_of_memory_when):
+    """Every microbatch runs out of memory while trial 2 is in the job: the engine moves it out
+    until its pack-mates finish, then it fails alone."""
+    out_of_memory_when(lambda job, padded_tokens: "oom-trial-2" in job.trials)
     study = optuna.create_study(study_name="oom", pruner=NO_PRUNING)
     sampler = PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": 3, "batch_size": 2},
                                 max_concurrent=3)

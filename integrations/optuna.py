@@ -92,8 +92,9 @@ class PackedLoRASampler(BaseSampler):
     being finite or that runs out of memory fails alone; its pack-mates carry on.
 
     The default search space is PLoRA's Table 1 (`lora_sweep.space.PLORA_SPACE`): learning
-    rate 2e-5..4e-4, batch size 1..32 and rank 8..128 on a log scale, and ``alpha_ratio``
-    0.25..4 (log), from which ``alpha = alpha_ratio * rank``; the trial's params hold
+    rate 2e-5..4e-4, batch size 1..32 and rank 8..128 on a log scale (the ranks clipped to the
+    model's smallest targeted layer, with a log line), and ``alpha_ratio`` 0.25..4 (log), from
+    which ``alpha = alpha_ratio * rank``; the trial's params hold
     ``alpha_ratio`` and its ``config`` the resulting ``alpha``, so it is reproducible from
     either. Many trials are in flight at once, so `TPESampler(constant_liar=True)` helps
     TPE spread them out.
@@ -124,7 +125,8 @@ class PackedLoRASampler(BaseSampler):
             A define-by-run function ``(optuna.Trial) -> TrialConfig`` (or a dict of
             `TrialConfig` fields); a dict of field name (or ``alpha_ratio``) -> Optuna
             distribution or `lora_sweep.space` dimension; or None for PLoRA's Table 1 space
-            minus the fields that `trial_defaults` fixes.
+            minus the fields that `trial_defaults` fixes. `optimize(objective=...)` takes the
+            function there instead.
         trial_defaults:
             `TrialConfig` fields shared by every trial, e.g. ``{"max_steps": 200}``. They
             fill in the fields the search space does not set (for a function returning a
@@ -181,7 +183,8 @@ class PackedLoRASampler(BaseSampler):
         self._spec = spec
         self._trial_defaults = dict(trial_defaults or {})
         self._search_space = _resolve_search_space(search_space, self._trial_defaults)
-        self._default_space = search_space is None  # its ranks are clipped to the model once it is loaded
+        self._space_given = search_space is not None
+        self._ranks_fit_model = False  # the default space's ranks are clipped to the model once it is loaded
         self._metric = metric
         self._max_concurrent = max_concurrent
         self._devices = _resolve_devices(devices, spec)
@@ -271,7 +274,7 @@ class PackedLoRASampler(BaseSampler):
         if objective is not None and not callable(objective):
             raise TypeError(f"The value of `objective` is a {type(objective).__name__}, but must be a function "
                             "(optuna.Trial) -> TrialConfig or None.")
-        if objective is not None and not self._default_space:
+        if objective is not None and self._space_given:
             raise ValueError("Both `objective` and the sampler's `search_space` are given, but the trials' configs "
                              "must come from one of them.")
         if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
@@ -285,7 +288,7 @@ class PackedLoRASampler(BaseSampler):
             feeders = [_JobFeeder(self, sweep, index) for index in range(len(self._devices))]
             if sweep.may_ask():  # load the base models before the bars open: their loading bars end cleanly
                 jobs = [feeder.job for feeder in feeders]
-                if self._default_space:
+                if space is None and not self._space_given and not self._ranks_fit_model:
                     self._fit_default_ranks(jobs[0])
             with sweep.progress_bar():
                 if len(feeders) == 1:
@@ -294,8 +297,8 @@ class PackedLoRASampler(BaseSampler):
                     _run_in_threads([feeder.run for feeder in feeders], sweep)
 
     def _fit_default_ranks(self, job: PackedJob) -> None:
-        """Clip the default space's ranks to what the model takes (once)."""
-        self._default_space = False
+        """Clip the default space's ranks to the smallest targeted layer of the model (once)."""
+        self._ranks_fit_model = True
         modules = self._trial_defaults.get("target_modules") or job.spec.target_modules
         dims = [min(job.module_shapes[m]) for m in modules if m in job.module_shapes]
         if dims:

@@ -4,8 +4,8 @@
 make every sampling decision, and adds `optimize`, which drives the study through Optuna's
 ask-and-tell interface instead of an objective function:
 
-1. Ask trials while the running `PackedJob` has room (`lora_sweep.planner.admit` and its
-   memory model, capped at `max_concurrent` adapters); each trial's params become a
+1. Ask trials while the running `PackedJob` has room (`lora_sweep.planner.fits_running_job`:
+   its memory model, capped at `max_concurrent` adapters); each trial's params become a
    `TrialConfig`, and a bad one is told FAIL alone, before any training.
 2. The job trains them all in one forward/backward per step; the base model is loaded once
    per device and kept for the whole sweep (and for later `optimize` calls).
@@ -51,17 +51,20 @@ from optuna.exceptions import TrialPruned, UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
 from optuna.storages import InMemoryStorage
 from optuna.storages._heartbeat import is_heartbeat_enabled
-from optuna.study import Study, StudyDirection
+from optuna.study import MaxTrialsCallback, Study, StudyDirection
 from optuna.trial import FrozenTrial, Trial, TrialState
 from tqdm.auto import tqdm
 
 from lora_sweep import space as _space
-from lora_sweep.config import ConfigError, JobSpec, TrialConfig
+from lora_sweep.config import ConfigError, JobSpec, TrialConfig, check_against_model
+from lora_sweep.costmodel import job_memory_model
 from lora_sweep.engine import Failed, Finished, PackedJob, Report
+from lora_sweep.planner import fits_running_job
 
 __all__ = ["PackedLoRASampler"]
 
 logger = logging.getLogger(__name__)
+_trial_logger = optuna.logging.get_logger("optuna.study.study")  # each ended trial, in Optuna's words
 
 SearchSpace = Union[None, Callable[[Trial], Union[TrialConfig, Mapping[str, Any]]], Mapping[str, Any]]
 
@@ -89,8 +92,9 @@ class PackedLoRASampler(BaseSampler):
     being finite or that runs out of memory fails alone; its pack-mates carry on.
 
     The default search space is PLoRA's Table 1 (`lora_sweep.space.PLORA_SPACE`): learning
-    rate 2e-5..4e-4, batch size 1..32 and rank 8..128 on a log scale, and ``alpha_ratio``
-    0.25..4 (log), from which ``alpha = alpha_ratio * rank``; the trial's params hold
+    rate 2e-5..4e-4, batch size 1..32 and rank 8..128 on a log scale (the ranks clipped to the
+    model's smallest targeted layer, with a log line), and ``alpha_ratio`` 0.25..4 (log), from
+    which ``alpha = alpha_ratio * rank``; the trial's params hold
     ``alpha_ratio`` and its ``config`` the resulting ``alpha``, so it is reproducible from
     either. Many trials are in flight at once, so `TPESampler(constant_liar=True)` helps
     TPE spread them out.
@@ -121,7 +125,8 @@ class PackedLoRASampler(BaseSampler):
             A define-by-run function ``(optuna.Trial) -> TrialConfig`` (or a dict of
             `TrialConfig` fields); a dict of field name (or ``alpha_ratio``) -> Optuna
             distribution or `lora_sweep.space` dimension; or None for PLoRA's Table 1 space
-            minus the fields that `trial_defaults` fixes.
+            minus the fields that `trial_defaults` fixes. `optimize(objective=...)` takes the
+            function there instead.
         trial_defaults:
             `TrialConfig` fields shared by every trial, e.g. ``{"max_steps": 200}``. They
             fill in the fields the search space does not set (for a function returning a
@@ -178,11 +183,12 @@ class PackedLoRASampler(BaseSampler):
         self._spec = spec
         self._trial_defaults = dict(trial_defaults or {})
         self._search_space = _resolve_search_space(search_space, self._trial_defaults)
+        self._space_given = search_space is not None
+        self._ranks_fit_model = False  # the default space's ranks are clipped to the model once it is loaded
         self._metric = metric
         self._max_concurrent = max_concurrent
         self._devices = _resolve_devices(devices, spec)
         self._heartbeat_interval = float(heartbeat_interval)
-        self._admission = _Admission(spec, max_concurrent)
         self._jobs: list[Optional[PackedJob]] = [None] * len(self._devices)
         self._worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._claiming = threading.local()  # .active while `optimize` asks a trial on this thread
@@ -201,12 +207,20 @@ class PackedLoRASampler(BaseSampler):
 
     def optimize(
         self,
+        *positional: Any,
+        objective: Optional[Callable[[Trial], Union[TrialConfig, Mapping[str, Any]]]] = None,
         n_trials: Optional[int] = None,
         timeout: Optional[float] = None,
         callbacks: Optional[Sequence[Callable[[Study, FrozenTrial], None]]] = None,
         show_progress_bar: bool = True,
     ) -> None:
         """Run the packed sweep until the study holds `n_trials` trials or `timeout` passes.
+
+        The trials' configs come from `objective` when given, else from the sampler's search
+        space. Unlike an objective of `Study.optimize`, it does not train: it calls
+        ``trial.suggest_*`` and returns the trial's `TrialConfig` (or a dict of its fields);
+        the sampler trains it packed and reports its value. An objective that raises, or
+        returns anything else, fails that trial alone (FAIL with ``fail_reason``).
 
         Unlike `Study.optimize`, `n_trials` counts toward the study's total: trials already
         finished (COMPLETE, PRUNED or FAIL) and those other workers are running count, so
@@ -220,17 +234,30 @@ class PackedLoRASampler(BaseSampler):
         `MaxTrialsCallback`.
 
         After `timeout` no new trial starts; running ones finish. `study.stop()` in a
-        callback works as in `Study.optimize`. If the sweep is interrupted (Ctrl-C or an
-        error), the trials it was running are told FAIL and re-enqueued, as a dead worker's.
+        callback works as in `Study.optimize`; an `optuna.study.MaxTrialsCallback` is counted
+        ahead (no trial is asked while the trials it counts and the running ones reach its
+        limit), so that packed trials do not overshoot it. If the sweep is interrupted (Ctrl-C
+        or an error), the trials it was running are told FAIL and re-enqueued, as a dead worker's.
+
+        Each ended trial is logged as Optuna logs it ("Trial 3 finished with value: ..."); the
+        progress bars show the study's trials toward `n_trials` and the steps of each running
+        packed job.
 
         Example:
 
             .. code::
 
+                def objective(trial):
+                    return ls.TrialConfig(rank=trial.suggest_int("rank", 4, 32, log=True),
+                                          learning_rate=trial.suggest_float("learning_rate", 1e-5, 1e-3, log=True))
+
                 sampler = PackedLoRASampler(study, spec, trial_defaults={"max_steps": 100})
-                sampler.optimize(n_trials=32, timeout=3600)
+                sampler.optimize(objective=objective, n_trials=32, timeout=3600)
 
         Args:
+            objective:
+                ``(optuna.Trial) -> TrialConfig`` (or a dict of `TrialConfig` fields), completed
+                by `trial_defaults`; None: the sampler's search space. Keyword only.
             n_trials:
                 The study's total number of trials to reach; None: no limit.
             timeout:
@@ -238,20 +265,44 @@ class PackedLoRASampler(BaseSampler):
             callbacks:
                 Called as ``callback(study, frozen_trial)`` after each trial ends.
             show_progress_bar:
-                Show a tqdm bar of ended trials and the best value.
+                Show tqdm bars of ended trials (with the best value) and of each job's steps.
         """
+        if positional:
+            raise TypeError(f"PackedLoRASampler.optimize takes keyword arguments only, but got {len(positional)} "
+                            "positional: call it as optimize(objective=objective, n_trials=...). The objective "
+                            "returns a TrialConfig (or a dict of its fields) and the sampler trains it.")
+        if objective is not None and not callable(objective):
+            raise TypeError(f"The value of `objective` is a {type(objective).__name__}, but must be a function "
+                            "(optuna.Trial) -> TrialConfig or None.")
+        if objective is not None and self._space_given:
+            raise ValueError("Both `objective` and the sampler's `search_space` are given, but the trials' configs "
+                             "must come from one of them.")
         if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
             raise ValueError(f"The value of `n_trials` is {n_trials!r}, but must be None or `n_trials >= 1`.")
         if timeout is not None and not timeout > 0:
             raise ValueError(f"The value of `timeout` is {timeout!r}, but must be None or `timeout > 0`.")
         _warn_if_pruner_waits(self._study, self._max_concurrent)
-        sweep = _Sweep(self, n_trials, timeout, callbacks, show_progress_bar)
+        space = _resolve_search_space(objective, self._trial_defaults) if objective is not None else None
+        sweep = _Sweep(self, space, n_trials, timeout, callbacks, show_progress_bar)
         with sweep.started():
             feeders = [_JobFeeder(self, sweep, index) for index in range(len(self._devices))]
-            if len(feeders) == 1:
-                feeders[0].run()
-            else:
-                _run_in_threads([feeder.run for feeder in feeders], sweep)
+            if sweep.may_ask():  # load the base models before the bars open: their loading bars end cleanly
+                jobs = [feeder.job for feeder in feeders]
+                if space is None and not self._space_given and not self._ranks_fit_model:
+                    self._fit_default_ranks(jobs[0])
+            with sweep.progress_bar():
+                if len(feeders) == 1:
+                    feeders[0].run()
+                else:
+                    _run_in_threads([feeder.run for feeder in feeders], sweep)
+
+    def _fit_default_ranks(self, job: PackedJob) -> None:
+        """Clip the default space's ranks to the smallest targeted layer of the model (once)."""
+        self._ranks_fit_model = True
+        modules = self._trial_defaults.get("target_modules") or job.spec.target_modules
+        dims = [min(job.module_shapes[m]) for m in modules if m in job.module_shapes]
+        if dims:
+            self._search_space = _resolve_search_space(None, self._trial_defaults, max_rank=min(dims))
 
     # ------------------------------------------------------------------ sampling: all delegated
 
@@ -289,9 +340,10 @@ class _Sweep:
     clock, callbacks, the progress bar and this worker's heartbeat. Every call into the study
     goes through here under one lock, so feeders on several devices can share it."""
 
-    def __init__(self, sampler: PackedLoRASampler, n_trials, timeout, callbacks, show_progress_bar):
+    def __init__(self, sampler: PackedLoRASampler, space, n_trials, timeout, callbacks, show_progress_bar):
         self.sampler = sampler
         self.study = sampler._study
+        self.space = space  # the objective of this call; None: the sampler's search space
         self.n_trials = n_trials
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.callbacks = list(callbacks or [])
@@ -300,7 +352,7 @@ class _Sweep:
         self.shared_storage = not isinstance(self.study._storage, InMemoryStorage)
         self.stale_after = _STALE_AFTER_BEATS * sampler._heartbeat_interval  # seconds of silence: a dead worker
         self._next_stale_check = 0.0
-        self._bar_enabled = show_progress_bar
+        self.show_progress_bar = show_progress_bar
         self.bar = None
         self.heartbeat = None
 
@@ -318,16 +370,23 @@ class _Sweep:
             if self.shared_storage:
                 time.sleep(_orphan_age_left(self.study, self.stale_after))
             self.restart_stale_trials(include_own=True)  # nothing of ours runs yet: any RUNNING one is stale
-            done = _trials_toward_budget(self.study)
-            self.bar = tqdm(total=self.n_trials, initial=min(done, self.n_trials or done), desc="trials",
-                            unit="trial", disable=not self._bar_enabled, dynamic_ncols=True)
             try:
                 yield
                 self.restart_stale_trials()  # an orphan found too young at the start is old enough now
             finally:
-                self.bar.close()
                 if self.heartbeat is not None:
                     self.heartbeat.stop()
+
+    @contextlib.contextmanager
+    def progress_bar(self):
+        """The bar of the study's trials toward `n_trials` (other workers' too), while it is open."""
+        done = _trials_toward_budget(self.study)
+        self.bar = tqdm(total=self.n_trials, initial=min(done, self.n_trials or done), desc="trials",
+                        unit="trial", disable=not self.show_progress_bar, dynamic_ncols=True)
+        try:
+            yield
+        finally:
+            self.bar.close()
 
     # ---- the budget
 
@@ -339,6 +398,8 @@ class _Sweep:
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 return False
             self.maybe_restart_stale_trials()
+            if any(_max_trials_reached(self.study, c) for c in self.callbacks if isinstance(c, MaxTrialsCallback)):
+                return False
             return self.n_trials is None or _trials_toward_budget(self.study) < self.n_trials
 
     def restart_stale_trials(self, include_own: bool = False) -> None:
@@ -355,11 +416,12 @@ class _Sweep:
     # ---- asking
 
     def ask(self, trial_id_of: Callable[[Trial], str]) -> Optional[tuple[Trial, TrialConfig]]:
-        """A new trial and its `TrialConfig`. A trial whose config is invalid is told FAIL
-        here and None comes back; one the search-space function prunes is told PRUNED."""
+        """A new trial and its `TrialConfig`. A trial whose config is invalid, or whose search
+        function raises or returns something else than a config, is told FAIL here and None
+        comes back; one the search function prunes is told PRUNED."""
         sampler = self.sampler
         with self.lock:
-            space = sampler._search_space
+            space = self.space if self.space is not None else sampler._search_space
             sampler._claiming.active = True  # `before_trial` records this worker's id
             try:
                 trial = self.study.ask(None if callable(space) else space)
@@ -375,9 +437,9 @@ class _Sweep:
             except TrialPruned:
                 self.tell(trial, state=TrialState.PRUNED)
                 return None
-            except Exception as err:
-                self.tell_failed(trial, f"the search space raised {type(err).__name__}: {err}")
-                raise
+            except Exception as err:  # the search function's own error: this trial fails, the sweep goes on
+                self.tell_failed(trial, f"{type(err).__name__}: {err}", pack_id=None, exc_info=err)
+                return None
             except BaseException as err:  # Ctrl-C: the trial runs again next time
                 self.interrupt([trial], f"the sweep stopped: {type(err).__name__}")
                 raise
@@ -394,15 +456,29 @@ class _Sweep:
             frozen = self.study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
             if self.heartbeat is not None:
                 self.heartbeat.discard(trial._trial_id)
-            self.bar.update(1)
-            if self.bar.disable is False and _has_best(self.study):
-                self.bar.set_postfix(best=f"{self.study.best_value:.4g}", refresh=False)
+            if state == TrialState.COMPLETE:
+                _log_completed(self.study, frozen)
+            elif state == TrialState.PRUNED:
+                _trial_logger.info(f"Trial {frozen.number} pruned. ")
+            self.update_bar()
             for callback in self.callbacks:
                 callback(self.study, frozen)
 
-    def tell_failed(self, trial: Trial, reason: str, **user_attrs: Any) -> None:
-        logger.warning("Trial %d failed: %s", trial.number, reason)
+    def tell_failed(self, trial: Trial, reason: str, exc_info: Optional[BaseException] = None,
+                    **user_attrs: Any) -> None:
+        _trial_logger.warning(f"Trial {trial.number} failed with parameters: {trial.params} because of the "
+                              f"following error: {reason}.", exc_info=exc_info)
         self.tell(trial, state=TrialState.FAIL, fail_reason=reason, **user_attrs)
+
+    def update_bar(self) -> None:
+        if self.bar is None:
+            return
+        if self.n_trials is None:
+            self.bar.update(1)
+        else:
+            self.bar.update(min(_trials_toward_budget(self.study), self.n_trials) - self.bar.n)
+        if not self.bar.disable and _has_best(self.study):
+            self.bar.set_postfix(best=f"{self.study.best_value:.4g}")
 
     def interrupt(self, trials: Sequence[Trial], reason: str) -> None:
         """Tell FAIL the trials a stopping sweep leaves unfinished and enqueue their params
@@ -439,7 +515,7 @@ class _JobFeeder:
         if jobs[self.index] is None:
             spec = dataclasses.replace(self.sampler._spec, device=self.sampler._devices[self.index])
             jobs[self.index] = PackedJob(spec, progress=False)
-            jobs[self.index].memory_model = self.sampler._admission.cost_model  # corrected by OOMs
+            jobs[self.index].memory_model = job_memory_model(spec, jobs[self.index].device)  # corrected by OOMs
         return jobs[self.index]
 
     def run(self) -> None:
@@ -458,6 +534,7 @@ class _JobFeeder:
             self._fill()
             if not self.in_flight:
                 return
+            self.job.progress = self.sweep.show_progress_bar  # a bar of this job's steps
             try:
                 with contextlib.closing(self.job.run()) as events:
                     for event in events:
@@ -491,15 +568,18 @@ class _JobFeeder:
                 if self.waiting is None:  # its config was invalid: already told FAIL
                     continue
             trial, cfg = self.waiting
+            job = self.job
             running = [f.cfg for f in self.in_flight.values()]
-            if running and self.job.waiting:
-                return  # the job ran out of memory and moved trials out: no newcomer until they are back
-            if not self.sampler._admission.admits(running, cfg, self.job.memory_model):
-                if running:
-                    return  # it waits for a trial to leave
+            try:  # a trial the model rejects is told FAIL here, before it reaches the job
+                check_against_model(cfg, job.spec, job.module_shapes)
+                joins = fits_running_job(running, cfg, job.memory_model, max_adapters=self.sampler._max_concurrent,
+                                         moved_out=len(job.waiting))
+            except ConfigError as err:
                 self.waiting = None
-                self.sweep.tell_failed(trial, self.sampler._admission.why_not(cfg), pack_id=None)
+                self.sweep.tell_failed(trial, str(err), pack_id=None)
                 continue
+            if not joins:
+                return  # it waits for a trial to leave
             self.waiting = None
             self._join(trial, cfg)
 
@@ -606,13 +686,15 @@ def _run_in_threads(targets: Sequence[Callable[[], None]], sweep: _Sweep) -> Non
 # --------------------------------------------------------------------------- search spaces
 
 
-def _resolve_search_space(search_space: SearchSpace, trial_defaults: Mapping[str, Any]):
-    """A define-by-run function as given, or a dict of Optuna distributions (validated)."""
+def _resolve_search_space(search_space: SearchSpace, trial_defaults: Mapping[str, Any],
+                          max_rank: Optional[int] = None):
+    """A define-by-run function as given, or a dict of Optuna distributions (validated); None:
+    the default space, its ranks clipped to `max_rank`."""
     _space.check_space([], fixed=list(trial_defaults))
     if callable(search_space):
         return search_space
     if search_space is None:
-        search_space = _space.default_space(fixed=list(trial_defaults))
+        search_space = _space.default_space(fixed=list(trial_defaults), max_rank=max_rank)
     if not isinstance(search_space, Mapping):
         raise TypeError(f"The value of `search_space` is a {type(search_space).__name__}, but must be None, a "
                         "function (optuna.Trial) -> TrialConfig, or a dict of name -> distribution.")
@@ -651,60 +733,12 @@ def _trial_config(trial: Trial, search_space, trial_defaults: Mapping[str, Any],
         elif isinstance(result, Mapping):
             params = dict(result)
         else:
-            raise TypeError(f"The search space function returned a {type(result).__name__}, but must return "
+            raise TypeError(f"The search function returned a {type(result).__name__}, but must return "
                             "a TrialConfig or a dict of its fields.")
     else:
         params = dict(trial.params)
     params.pop("trial_id", None)
     return _space.config_from_params(params, trial_defaults, trial_id=trial_id)
-
-
-# --------------------------------------------------------------------------- admission
-
-
-class _Admission:
-    """Which asked trial may join a running job: at most `max_concurrent` adapters and, where
-    the planner's memory model can read the base model's config, only what fits the device.
-
-    `lora_sweep.planner.admit` is the hook; without the planner (or for a model factory,
-    whose config it cannot read) the cap alone decides.
-    """
-
-    def __init__(self, spec: JobSpec, max_concurrent: int):
-        self.max_concurrent = max_concurrent
-        self.cost_model = None
-        try:
-            from lora_sweep.costmodel import CostModel
-            from lora_sweep.planner import admit
-        except ImportError as err:
-            logger.info("No memory-based admission (%s); packing up to %d trials per job.", err, max_concurrent)
-            return
-        try:
-            self.cost_model = CostModel.from_model(spec)
-        except (TypeError, ValueError, OSError) as err:
-            logger.info("The cost model cannot describe this model (%s); packing up to %d trials per job.",
-                        err, max_concurrent)
-            return
-        self._admit = admit
-
-    def admits(self, running: Sequence[TrialConfig], cfg: TrialConfig, cost_model=None) -> bool:
-        """`cost_model`: the job's own, as corrected by its out-of-memory errors (default: ours)."""
-        cost_model = cost_model or self.cost_model
-        if len(running) >= self.max_concurrent:
-            return False
-        if cost_model is None:
-            return True
-        if not running and not cost_model.fits([cfg]):
-            return False
-        return bool(self._admit(running, [cfg], cost_model, max_adapters=self.max_concurrent))
-
-    def why_not(self, cfg: TrialConfig) -> str:
-        """Why a trial cannot run even alone (the cost model's message)."""
-        try:
-            self.cost_model.check_trial(cfg, 1)
-        except ConfigError as err:
-            return str(err)
-        return f"Trial {cfg.trial_id!r} does not fit in the device's memory."
 
 
 # --------------------------------------------------------------------------- workers and heartbeats
@@ -901,6 +935,22 @@ def _resolve_devices(devices, spec: JobSpec) -> list[str]:
         raise ValueError(f"The value of `devices` is {devices!r}, but must be None or a non-empty list of "
                          "device names ('cuda:0') or CUDA indices.")
     return devices
+
+
+def _log_completed(study: Study, trial: FrozenTrial) -> None:
+    """The line Optuna logs for a completed trial."""
+    message = f"Trial {trial.number} finished with value: {trial.value} and parameters: {trial.params}."
+    best = study.best_trial
+    _trial_logger.info(f"{message} Best is trial {best.number} with value: {best.value}.")
+
+
+def _max_trials_reached(study: Study, callback: MaxTrialsCallback) -> bool:
+    """Whether `callback` would stop the study if every running trial ended in a state it
+    counts: asking more trials then could overshoot its limit."""
+    states = callback._states  # None: every state counts
+    counted = sum(1 for t in study.get_trials(deepcopy=False)
+                  if states is None or t.state in states or t.state == TrialState.RUNNING)
+    return counted >= callback._n_trials
 
 
 def _has_best(study: Study) -> bool:

@@ -136,6 +136,7 @@ class PackServer:
 
     def __init__(self, spec: JobSpec, pack_id: str, max_adapters: int = 8, lease_seconds: float = 60.0,
                  checkpoint_every_report: bool = True):
+        from ..costmodel import job_memory_model
         from ..engine import PackedJob
 
         self.job = PackedJob(spec, progress=False, pack_id=pack_id)  # loads the base model, once
@@ -143,7 +144,7 @@ class PackServer:
         self.max_adapters = max_adapters
         self.lease_seconds = lease_seconds
         self.checkpoint_every_report = checkpoint_every_report
-        self.job.memory_model = _memory_model(spec, self.job.device)  # the engine corrects it on OOM
+        self.job.memory_model = job_memory_model(spec, self.job.device)  # the engine corrects it on OOM
         self._slots: dict[str, _Slot] = {}  # ticket -> slot
         self._tickets: dict[str, str] = {}  # Tune's trial id -> the ticket of its current stay
         self._joins: dict[str, int] = {}  # Tune's trial id -> how often it joined
@@ -172,6 +173,7 @@ class PackServer:
         schedule, weight decay and the like apply from that step on
         (`lora_sweep.engine.with_new_hyperparameters`); a new rank or batch size is "invalid"."""
         from ..engine import with_new_hyperparameters
+        from ..planner import fits_running_job
 
         cfg = TrialConfig.from_dict(config)
         tune_id = cfg.trial_id
@@ -190,7 +192,9 @@ class PackServer:
                     new_hyperparameters = sorted(k for k in wanted if k != "trial_id" and saved.get(k) != wanted[k])
                     if new_hyperparameters:
                         state = with_new_hyperparameters(state, cfg)
-                if not self._has_room(cfg):
+                running = [self._slots[t].cfg for t in self._in_job()]
+                if not fits_running_job(running, cfg, self.job.memory_model, max_adapters=self.max_adapters,
+                                        moved_out=len(self.job.waiting)):
                     return "full", ""
             except ConfigError as e:
                 return "invalid", str(e)
@@ -350,21 +354,6 @@ class PackServer:
     def _in_job(self) -> list[str]:
         return [t for t, s in self._slots.items() if s.in_job]
 
-    def _has_room(self, cfg: TrialConfig) -> bool:
-        """Admission. The planner's memory model decides on a GPU; a count caps every pack."""
-        running = [self._slots[t].cfg for t in self._in_job()]
-        if len(running) >= self.max_adapters:
-            return False
-        if self.job.memory_model is None:
-            return True
-        from ..planner import admit
-
-        if admit(running, [cfg], self.job.memory_model):
-            return True
-        if not running:  # it does not fit even alone: it never will
-            self.job.memory_model.check_trial(cfg, 1)  # raises a ConfigError naming the memory it needs
-        return False
-
     def _finish(self, ticket: str, message: _Message) -> None:
         """The stay's last message: the adapter left the job (finished or failed)."""
         slot = self._slots[ticket]
@@ -402,20 +391,6 @@ def _tune_metrics(metrics: dict, pack_id: str) -> dict:
         ordered["lr"] = metrics["learning_rate"]
     ordered.update((k, v) for k, v in metrics.items() if k not in ordered and k != "learning_rate")
     return {**ordered, "pack_id": pack_id}
-
-
-def _memory_model(spec: JobSpec, device) -> Optional[Any]:
-    """The planner's cost model for memory-based admission on a GPU; None on the CPU or when
-    the planner cannot model this base model (then only `max_adapters` limits a pack)."""
-    if device.type != "cuda":
-        return None
-    try:
-        from ..costmodel import CostModel
-
-        return CostModel.from_model(spec)
-    except Exception as e:  # noqa: BLE001 - admission falls back to a count
-        logger.warning("no memory model for %s (%s); packs are limited by max_adapters only", spec.model_name, e)
-        return None
 
 
 def _read_dir(path: str) -> dict[str, bytes]:
@@ -665,7 +640,8 @@ class PackedExecutor:
             resource that pins servers to nodes; None: ``{"CPU": 1, "GPU": 1}`` on a GPU
             cluster, ``{"CPU": 1}`` otherwise.
         max_adapters_per_server:
-            Most trials packed in one job. On a GPU the planner's memory model may admit fewer.
+            Most trials packed in one job; the memory model may admit fewer
+            (`lora_sweep.planner.fits_running_job`).
         proxy_resources:
             Ray resources of one trial's proxy.
         lease_seconds:

@@ -49,7 +49,7 @@ GB = 1e9  # every "GB" in this package is 10^9 bytes (GPU vendors' unit)
 
 __all__ = [
     "GPU", "GPUS", "PRESETS", "Calibration", "CostModel", "ModelShape",
-    "calibrate", "detect", "gpu_profile", "model_config_fields", "profile_job",
+    "calibrate", "detect", "gpu_profile", "job_memory_model", "model_config_fields", "profile_job",
 ]
 
 
@@ -123,21 +123,28 @@ def _row_of_device_name(name: str, memory_gb: Optional[float] = None) -> Optiona
     return None
 
 
-def detect() -> GPU:
-    """The profile of this machine's first CUDA device, or of the CPU when there is none.
+def detect(device: Any = None) -> GPU:
+    """The profile of a CUDA device of this machine, or of the CPU.
 
     The name reported by ``torch.cuda.get_device_name`` picks the row of `GPUS`; the memory
     is the device's real total. An unknown GPU gets A100-like rates and a warning.
+
+    Args:
+        device:
+            A device (``"cuda:1"``, a ``torch.device``); None: the first CUDA device, or the
+            CPU when there is none.
 
     Returns:
         The `GPU` profile.
     """
     import torch
 
-    if not torch.cuda.is_available():
+    device = torch.device(device) if device is not None else None
+    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
         return _cpu_profile()
-    name = torch.cuda.get_device_name(0)
-    memory_gb = torch.cuda.get_device_properties(0).total_memory / GB
+    index = device.index if device is not None and device.index is not None else 0
+    name = torch.cuda.get_device_name(index)
+    memory_gb = torch.cuda.get_device_properties(index).total_memory / GB
     key = _row_of_device_name(name, memory_gb)
     if key is None:
         warnings.warn(f"Unknown GPU {name.lower()!r}: using A100 rates until `calibrate` measures it.")
@@ -714,6 +721,33 @@ class CostModel:
         """Read a model written by `save`."""
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def job_memory_model(spec: JobSpec, device: Any = None) -> Optional[CostModel]:
+    """The memory model with which trials are admitted into a running job of `spec` on
+    `device` (`lora_sweep.planner.fits_running_job`): the spec's model on that device's
+    memory. The job corrects it when a step runs out of memory.
+
+    Args:
+        spec:
+            The job's spec.
+        device:
+            The job's device (``"cuda:0"``, ``"cpu"``, a ``torch.device``); None: this
+            machine's first GPU, else the CPU.
+
+    Returns:
+        The `CostModel`, or None (logged) when it cannot describe the base model: a model
+        factory, a config that is not a Llama-style decoder, target modules it does not
+        know. Then only the adapter cap limits a job.
+    """
+    if not isinstance(spec.base_model, str):
+        logger.info("No memory model for a `base_model` factory; jobs are limited by their adapter cap only.")
+        return None
+    try:
+        return CostModel.from_model(spec, detect(device))
+    except ValueError as err:  # ConfigError included: modules the cost model does not know
+        logger.info("No memory model for %s (%s); jobs are limited by their adapter cap only.", spec.model_name, err)
+        return None
 
 
 def gpu_counts(num_gpus: int) -> list[int]:

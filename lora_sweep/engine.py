@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -234,9 +234,6 @@ class PackedJob:
         # The planner's memory model of this job, if a tuner integration admits trials with it;
         # an out-of-memory step corrects it (CostModel.after_out_of_memory).
         self.memory_model = None
-        # Test hook: simulated_oom(padded_tokens, active_adapters) -> True raises, for that
-        # microbatch, the error a CUDA out-of-memory raises.
-        self.simulated_oom: Optional[Callable[[int, int], bool]] = None
 
         self.optimizer = PackedAdamW()
         self.active: dict[str, _Adapter] = {}  # trial_id -> state, in join order
@@ -517,8 +514,6 @@ class PackedJob:
         for parts in plan:  # parts: [(adapter index, samples)], adapters in job order
             index = [i for i, _ in parts]
             groups = [samples for _, samples in parts]
-            if self.simulated_oom is not None and self.simulated_oom(self._padded_tokens(parts), len(self.active)):
-                raise torch.OutOfMemoryError("simulated out of memory (test hook)")
             try:
                 part_sums, _ = self._adapter_losses([adapters[i] for i in index], groups, train=True)
                 idx = to_device(index, torch.long, self.device)

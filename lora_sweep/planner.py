@@ -9,8 +9,9 @@ Four tools, from the biggest to the smallest:
   (PLoRA's DTM). Jobs are anchored on the longest pending trial and capped so that the last
   ones end together (the tail effect).
 * `best_job` is that MILP on its own.
-* `admit` decides which waiting trials join a running job now (the tuner integrations'
-  continuous packing): greedy, in arrival order.
+* `admit` decides which waiting trials join a running job now: greedy, in arrival order;
+  `fits_running_job` is its answer for one trial, the rule of both tuner integrations'
+  continuous packing.
 * `pack_microbatches` splits one step's samples into microbatches under a token capacity
   (LoRAFusion's two-stage bin-packing MILP with a greedy fallback).
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # cvxpy loads only when a MILP is built: importing lora_sweep
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FailedTrial", "Plan", "PlannedJob", "admit", "best_job", "pack_microbatches", "plan"]
+__all__ = ["FailedTrial", "Plan", "PlannedJob", "admit", "best_job", "fits_running_job", "pack_microbatches", "plan"]
 
 
 # --------------------------------------------------------------------------- results
@@ -621,6 +622,61 @@ def admit(
         admitted.append(trial)
         budget -= need
     return admitted
+
+
+def fits_running_job(
+    running_trials: Sequence[TrialConfig],
+    trial: TrialConfig,
+    memory_model: Optional[CostModel],
+    *,
+    max_adapters: int,
+    moved_out: int = 0,
+) -> bool:
+    """Whether `trial` may join a running job now: the one admission rule of the tuner
+    integrations, on any device.
+
+    It joins if the job holds fewer than `max_adapters` trials, no trial waits outside the
+    job after an out-of-memory step (`moved_out`), and the memory model (the job's, as
+    corrected by its out-of-memory steps) admits it beside the running ones (`admit`).
+    Otherwise it waits for a trial to leave, unless it cannot fit even alone: then it never
+    will, and a `ConfigError` says how much memory it needs.
+
+    Example:
+
+        .. code::
+
+            memory_model = job_memory_model(spec, "cuda:0")
+            job.memory_model = memory_model                   # the job corrects it on out-of-memory
+            if fits_running_job(running, cfg, job.memory_model, max_adapters=8,
+                                moved_out=len(job.waiting)):
+                job.add_trial(cfg)
+
+    Args:
+        running_trials:
+            The trials in the job, those moved out after an out-of-memory step included.
+        trial:
+            The trial that asks to join.
+        memory_model:
+            The job's memory model (`lora_sweep.costmodel.job_memory_model`, then the job's
+            `memory_model`); None: the adapter cap alone decides.
+        max_adapters:
+            Most trials in the job at once.
+        moved_out:
+            Trials the job moved out after running out of memory (``len(job.waiting)``).
+
+    Returns:
+        True if it joins now, False if it waits.
+
+    Raises:
+        ConfigError: if the trial does not fit even alone in the job's memory.
+    """
+    if memory_model is not None:
+        memory_model.check_trial(trial, 1)
+    if len(running_trials) >= max_adapters or (running_trials and moved_out):
+        return False
+    if memory_model is None:
+        return True
+    return bool(admit(running_trials, [trial], memory_model, max_adapters=max_adapters))
 
 
 # --------------------------------------------------------------------------- microbatches

@@ -12,7 +12,8 @@ relative to the rank (the LoRA term is scaled by alpha/rank), so a space may sam
 
 `PLORA_SPACE` is the default: the space of PLoRA's Table 1
 (https://arxiv.org/abs/2508.02932): learning rate 2e-5..4e-4, batch size 1..32, rank 8..128
-and alpha r/4..4r, all on a log scale.
+and alpha r/4..4r, all on a log scale. `default_space(max_rank=...)` clips its ranks to a
+model whose layers are narrower than 128.
 
     configs = grid_configs(PLORA_SPACE, points=3, defaults={"max_steps": 100})   # 81 trials
     configs = random_configs(PLORA_SPACE, 20, seed=0)
@@ -21,6 +22,7 @@ and alpha r/4..4r, all on a log scale.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import numbers
 import random
@@ -33,6 +35,8 @@ __all__ = [
     "ALPHA_RATIO", "Categorical", "Dimension", "Float", "Int", "PLORA_SPACE",
     "check_space", "config_from_params", "default_space", "grid_configs", "random_configs",
 ]
+
+logger = logging.getLogger(__name__)
 
 ALPHA_RATIO = "alpha_ratio"  # the one space name that is not a TrialConfig field: alpha / rank
 
@@ -136,18 +140,23 @@ PLORA_SPACE: dict[str, Dimension] = {
 }
 
 
-def default_space(fixed: Sequence[str] = ()) -> dict[str, Dimension]:
-    """`PLORA_SPACE` without the fields that `fixed` names (a fixed ``alpha`` drops ``alpha_ratio``).
+def default_space(fixed: Sequence[str] = (), max_rank: Optional[int] = None) -> dict[str, Dimension]:
+    """`PLORA_SPACE` without the fields that `fixed` names (a fixed ``alpha`` drops ``alpha_ratio``),
+    its ranks clipped to `max_rank` (logged when that narrows them).
 
     Example:
 
         .. code::
 
             default_space(fixed=["batch_size"])   # learning_rate, rank, alpha_ratio
+            default_space(max_rank=64)            # ranks 8..64, for a model whose smallest targeted layer is 64 wide
 
     Args:
         fixed:
             `TrialConfig` field names whose values the caller fixes for every trial.
+        max_rank:
+            The largest rank the model takes: the smallest in/out dimension of its targeted
+            layers. None: PLoRA's ranks as they are.
 
     Returns:
         A new dict; `PLORA_SPACE` itself is not changed.
@@ -155,7 +164,15 @@ def default_space(fixed: Sequence[str] = ()) -> dict[str, Dimension]:
     fixed = set(fixed)
     if "alpha" in fixed:
         fixed.add(ALPHA_RATIO)
-    return {name: dim for name, dim in PLORA_SPACE.items() if name not in fixed}
+    space = {name: dim for name, dim in PLORA_SPACE.items() if name not in fixed}
+    if max_rank is not None and not (isinstance(max_rank, numbers.Integral) and max_rank >= 1):
+        raise ValueError(f"The value of `max_rank` is {max_rank!r}, but must be None or an integer >= 1.")
+    rank = space.get("rank")
+    if rank is not None and max_rank is not None and max_rank < rank.high:
+        space["rank"] = Int(min(rank.low, max_rank), max_rank, log=rank.log)
+        logger.warning("The default search space's ranks %d..%d are clipped to %d..%d: the model's smallest "
+                       "targeted layer is %d wide.", rank.low, rank.high, space["rank"].low, max_rank, max_rank)
+    return space
 
 
 # --------------------------------------------------------------------------- params -> TrialConfig

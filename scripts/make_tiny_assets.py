@@ -1,6 +1,6 @@
 """Build the bundled tiny model and fine-tuning task (the result is committed).
 
-    python scripts/make_tiny_assets.py      # a few minutes on 2 CPU cores
+    python scripts/make_tiny_assets.py      # a few minutes on a CPU
 
 Writes
   lora_sweep/assets/tiny-llama/   a 0.7M-parameter Llama (GQA) + byte-level BPE tokenizer,

@@ -91,3 +91,24 @@ def tiny_qwen_dir(tmp_path_factory, char_tokenizer):
 @pytest.fixture(scope="session")
 def toy_data():
     return make_toy_rows(64, seed=0), make_toy_rows(12, seed=1)
+
+
+@pytest.fixture
+def out_of_memory_when(monkeypatch):
+    """Make training microbatches run out of memory: `out_of_memory_when(rule)` patches the
+    engine's private `PackedJob._adapter_losses` (the forward of one microbatch) so that it
+    raises the error a CUDA out-of-memory raises whenever ``rule(job, padded_tokens)`` holds."""
+    from lora_sweep.engine import PackedJob
+
+    forward = PackedJob._adapter_losses
+
+    def install(rule):
+        def adapter_losses(job, adapters, groups, train):
+            padded_tokens = job._padded_tokens(list(enumerate(groups)))
+            if train and rule(job, padded_tokens):
+                raise torch.OutOfMemoryError("out of memory (injected by the test)")
+            return forward(job, adapters, groups, train)
+
+        monkeypatch.setattr(PackedJob, "_adapter_losses", adapter_losses)
+
+    return install

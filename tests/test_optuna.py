@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import subprocess
@@ -64,6 +65,21 @@ def job_log(monkeypatch):
 
     monkeypatch.setattr(lso, "PackedJob", CountingJob)
     return log
+
+
+@contextlib.contextmanager
+def optuna_log_lines(level):
+    """The messages Optuna's loggers emit at `level` and above, meanwhile."""
+    lines = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    optuna.logging.set_verbosity(min(level, optuna.logging.WARNING))
+    logging.getLogger("optuna").addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logging.getLogger("optuna").removeHandler(handler)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 def finished_count(study) -> int:
@@ -152,7 +168,7 @@ def test_recorded_value_equals_the_engine_alone(spec, tmp_path):
         assert t.value == finished[0].metrics["eval_loss"]  # bit for bit: pack-mates change nothing
 
 
-def test_invalid_and_diverging_configs_fail_alone(spec):
+def test_invalid_and_diverging_configs_fail_alone(spec, caplog):
     bad = {
         0: ({"dropout": 1.5}, "dropout"),  # invalid: a ConfigError before any training
         1: ({"rank": 100}, "rank"),  # larger than the tiny model's layers: the engine's Failed event
@@ -165,29 +181,26 @@ def test_invalid_and_diverging_configs_fail_alone(spec):
 
     study = optuna.create_study(pruner=NO_PRUNING)
     sampler = PackedLoRASampler(study, spec, space, trial_defaults={"max_steps": 4, "batch_size": 2})
-    sampler.optimize(n_trials=5, show_progress_bar=False)
+    with caplog.at_level(logging.WARNING, logger="lora_sweep"), optuna_log_lines(logging.WARNING) as lines:
+        sampler.optimize(n_trials=5, show_progress_bar=False)
 
+    warnings = lines + [r.getMessage() for r in caplog.records if r.name.startswith("lora_sweep")]
     for t in study.trials:
         if t.number in bad:
             assert t.state == TrialState.FAIL, t.number
             assert bad[t.number][1] in t.user_attrs["fail_reason"]
+            mentions = [w for w in warnings if f"Trial {t.number} failed" in w or f"trial-{t.number}" in w]
+            assert len(mentions) == 1, mentions  # one warning per rejected trial
         else:
             assert t.state == TrialState.COMPLETE and math.isfinite(t.value)
     assert study.trials[2].user_attrs["pack_id"] == study.trials[3].user_attrs["pack_id"]  # a pack-mate went on
     assert study.trials[0].user_attrs["pack_id"] is None  # never joined a job
 
 
-def test_a_trial_out_of_memory_fails_alone(spec, monkeypatch):
-    """With the engine's OOM test hook, every microbatch runs out of memory while trial 2 is in
-    the job: the engine moves it out until its pack-mates finish, then it fails alone."""
-    doomed = "oom-trial-2"
-
-    class TightMemoryJob(ls.PackedJob):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.simulated_oom = lambda padded_tokens, active_adapters: doomed in self.trials
-
-    monkeypatch.setattr(lso, "PackedJob", TightMemoryJob)
+def test_a_trial_out_of_memory_fails_alone(spec, out_of_memory_when):
+    """Every microbatch runs out of memory while trial 2 is in the job: the engine moves it out
+    until its pack-mates finish, then it fails alone."""
+    out_of_memory_when(lambda job, padded_tokens: "oom-trial-2" in job.trials)
     study = optuna.create_study(study_name="oom", pruner=NO_PRUNING)
     sampler = PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": 3, "batch_size": 2},
                                 max_concurrent=3)
@@ -199,17 +212,80 @@ def test_a_trial_out_of_memory_fails_alone(spec, monkeypatch):
     assert len({t.user_attrs["pack_id"] for t in study.trials}) == 1
 
 
-def test_default_space_is_plora_table_1_with_alpha_as_a_multiple_of_rank(spec):
+def test_default_space_is_plora_table_1_with_ranks_clipped_to_the_model(spec, caplog):
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1), pruner=NO_PRUNING)
     sampler = PackedLoRASampler(study, spec, trial_defaults={"max_steps": 1})
-    sampler.optimize(n_trials=4, show_progress_bar=False)
+    with caplog.at_level(logging.WARNING, logger="lora_sweep"):
+        sampler.optimize(n_trials=4, show_progress_bar=False)
+        sampler.optimize(n_trials=5, show_progress_bar=False)
+    clipped = [r.getMessage() for r in caplog.records if "clipped" in r.getMessage()]
+    assert clipped == ["The default search space's ranks 8..128 are clipped to 8..24: the model's smallest "
+                       "targeted layer is 24 wide."]  # the tiny model's k/v projections; said once
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 5
     for t in study.trials:
         assert set(t.params) == {"learning_rate", "batch_size", "rank", "alpha_ratio"}
-        assert 2e-5 <= t.params["learning_rate"] <= 4e-4 and 8 <= t.params["rank"] <= 128
+        assert 2e-5 <= t.params["learning_rate"] <= 4e-4 and 8 <= t.params["rank"] <= 24
         config = t.user_attrs["config"]
         assert config["alpha"] == pytest.approx(t.params["alpha_ratio"] * t.params["rank"])
-        if t.params["rank"] > 24:  # the tiny model's k/v projections are 24 wide
-            assert t.state == TrialState.FAIL and "rank" in t.user_attrs["fail_reason"]
+
+
+def test_objective_style_and_its_misuse(spec):
+    def objective(trial):
+        return ls.TrialConfig(rank=trial.suggest_int("rank", 2, 8),
+                              learning_rate=trial.suggest_float("learning_rate", 1e-3, 1e-2, log=True), batch_size=2)
+
+    study = optuna.create_study(pruner=NO_PRUNING)
+    sampler = PackedLoRASampler(study, spec, trial_defaults={"max_steps": 2})
+    with pytest.raises(TypeError, match=r"keyword arguments only.*optimize\(objective=objective"):
+        sampler.optimize(objective, n_trials=2)
+    with pytest.raises(ValueError, match="`objective` and the sampler's `search_space`"):
+        PackedLoRASampler(study, spec, SPACE).optimize(objective=objective, n_trials=2)
+    assert not study.trials  # refused at once
+    sampler.optimize(objective=objective, n_trials=2, show_progress_bar=False)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    for t in study.trials:
+        assert set(t.params) == {"rank", "learning_rate"} and t.user_attrs["config"]["rank"] == t.params["rank"]
+        assert t.user_attrs["config"]["max_steps"] == 2
+
+
+def test_a_search_function_that_raises_or_returns_junk_fails_its_trial_alone(spec, tmp_path):
+    def objective(trial):
+        lr = trial.suggest_float("learning_rate", 1e-3, 1e-2, log=True)
+        if trial.number == 1:
+            return 1 / 0
+        if trial.number == 2:
+            return lr  # an Optuna objective's value, not a config
+        return {"rank": 4, "learning_rate": lr, "batch_size": 2}
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", pruner=NO_PRUNING)
+    PackedLoRASampler(study, spec, trial_defaults={"max_steps": 2}).optimize(
+        objective=objective, n_trials=4, show_progress_bar=False)
+    states = [t.state for t in study.trials]
+    assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.FAIL, TrialState.COMPLETE]
+    assert "ZeroDivisionError" in study.trials[1].user_attrs["fail_reason"]
+    assert "returned a float, but must return a TrialConfig" in study.trials[2].user_attrs["fail_reason"]
+
+
+def test_max_trials_callback_stops_the_asking(spec):
+    study = optuna.create_study(pruner=NO_PRUNING)
+    sampler = PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": 2, "batch_size": 2},
+                                max_concurrent=4)
+    sampler.optimize(callbacks=[optuna.study.MaxTrialsCallback(5)], show_progress_bar=False)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 5
+
+
+def test_progress_logs_each_trial_as_optuna_does_and_the_bars_stay_clean(spec, capsys):
+    study = optuna.create_study(pruner=NO_PRUNING)
+    sampler = PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": 2, "batch_size": 2})
+    with optuna_log_lines(logging.INFO) as lines:
+        sampler.optimize(n_trials=2)
+    for t in study.trials:
+        assert sum(line.startswith(f"Trial {t.number} finished with value: {t.value} and parameters: {t.params}. "
+                                   "Best is trial ") for line in lines) == 1, lines
+    err = capsys.readouterr().err
+    loading, bars = err.split("trials:", 1)  # the base model loads before the sweep's bars open
+    assert "\x1b[" not in loading
+    assert "lora_sweep:" in bars and "2/2" in bars  # the job's steps, the trials
 
 
 def test_plain_optuna_still_works_and_sampling_is_delegated(spec):

@@ -128,7 +128,7 @@ def test_plan_120_table1_configs_qwen7b_8_gpus(cm):
     started = time.perf_counter()
     p = plan(QWEN_7B, trials, num_gpus=8, gpu_memory_gb=80, gpu="h100-sxm", max_seq_len=512)
     elapsed = time.perf_counter() - started
-    assert elapsed < 10.0  # the budget, on a 2-core CPU
+    assert elapsed < 10.0  # planning a sweep of this size stays interactive
     assert not p.failed
     _check_schedule(p, trials, p.cost_model)
     assert max(j.memory_per_gpu for j in p.jobs) <= 0.9 * 80e9

@@ -65,19 +65,21 @@ def test_microbatches_inside_an_adapter_match_to_rounding(tiny_llama_dir, toy_da
     compare(finals(job), unsplit[0], exact=False)
 
 
-def test_out_of_memory_splits_the_step_and_every_trial_finishes(tiny_llama_dir, toy_data, tmp_path, unsplit):
+def test_out_of_memory_splits_the_step_and_every_trial_finishes(tiny_llama_dir, toy_data, tmp_path, unsplit,
+                                                                out_of_memory_when):
     job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "oom", eval_every=2), trials(), progress=False)
-    job.simulated_oom = lambda padded_tokens, adapters: padded_tokens > 100
+    out_of_memory_when(lambda job, padded_tokens: padded_tokens > 100)
     events = list(job.run())
     assert job.microbatch_tokens is not None and job.microbatch_tokens <= 100
     assert sorted(e.trial_id for e in events if isinstance(e, Finished)) == ["a", "b", "c"]
     compare(finals(job), unsplit[0], exact=False)
 
 
-def test_adapter_that_cannot_fit_moves_out_and_comes_back(tiny_llama_dir, toy_data, tmp_path, unsplit):
+def test_adapter_that_cannot_fit_moves_out_and_comes_back(tiny_llama_dir, toy_data, tmp_path, unsplit,
+                                                         out_of_memory_when):
     job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "evict", eval_every=2), trials(), progress=False)
     # three adapters' states leave no room for activations at all; two leave room for 64 tokens
-    job.simulated_oom = lambda padded_tokens, adapters: adapters >= 3 or padded_tokens > 64
+    out_of_memory_when(lambda job, padded_tokens: len(job.active) >= 3 or padded_tokens > 64)
     events = list(job.run())
     assert job.evictions == 1 and not job.waiting
     assert sorted(e.trial_id for e in events if isinstance(e, Finished)) == ["a", "b", "c"]
@@ -144,10 +146,10 @@ def test_kill_9_and_restart_gives_the_uninterrupted_adapters(tiny_llama_dir, toy
             assert torch.equal(got[k], want[k]), (t, k)
 
 
-def test_trial_that_cannot_fit_even_alone_fails_alone(tiny_llama_dir, toy_data, tmp_path):
+def test_trial_that_cannot_fit_even_alone_fails_alone(tiny_llama_dir, toy_data, tmp_path, out_of_memory_when):
     job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "alone", eval_every=2), trials()[:1],
                     progress=False)
-    job.simulated_oom = lambda padded_tokens, adapters: True  # no memory at all
+    out_of_memory_when(lambda job, padded_tokens: True)  # no memory at all
     events = list(job.run())
     assert len(events) == 1 and events[0].trial_id == "a" and "out of memory" in events[0].reason
 
@@ -172,14 +174,14 @@ def test_a_trial_state_continues_exactly_in_another_job_under_another_id(tiny_ll
         assert torch.equal(got[k], v), k
 
 
-def test_out_of_memory_corrects_the_jobs_memory_model(tiny_llama_dir, toy_data, tmp_path):
+def test_out_of_memory_corrects_the_jobs_memory_model(tiny_llama_dir, toy_data, tmp_path, out_of_memory_when):
     from lora_sweep.costmodel import CostModel
 
     spec = make_spec(tiny_llama_dir, toy_data, tmp_path / "oom-model", eval_every=2)
     job = PackedJob(spec, trials(), progress=False)
     job.memory_model = CostModel.from_model(spec, gpu="h100-sxm", gpu_memory_gb=0.05)
     assert job.memory_model.fits(trials())  # the model thinks they fit ...
-    job.simulated_oom = lambda padded_tokens, adapters: padded_tokens > 100  # ... the device disagrees
+    out_of_memory_when(lambda job, padded_tokens: padded_tokens > 100)  # ... the device disagrees
     events = list(job.run())
     assert sorted(e.trial_id for e in events if isinstance(e, Finished)) == ["a", "b", "c"]
     assert not job.memory_model.fits(trials())  # corrected from what was seen

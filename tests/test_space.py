@@ -92,3 +92,16 @@ def test_dimensions():
 def test_space_module_imports_no_tuner():
     code = "import sys, lora_sweep.space; assert not any(m.split('.')[0] in ('optuna', 'ray') for m in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_default_space_clips_ranks_to_the_model(caplog):
+    with caplog.at_level("WARNING", logger="lora_sweep.space"):
+        assert default_space(max_rank=64)["rank"] == Int(8, 64, log=True)
+        assert default_space(max_rank=4)["rank"] == Int(4, 4, log=True)
+        assert default_space(max_rank=512)["rank"] == PLORA_SPACE["rank"]  # wide enough: unchanged, silent
+        assert "rank" not in default_space(fixed=["rank"], max_rank=4)
+    assert [r.getMessage() for r in caplog.records] == [
+        "The default search space's ranks 8..128 are clipped to 8..64: the model's smallest targeted layer is 64 wide.",
+        "The default search space's ranks 8..128 are clipped to 4..4: the model's smallest targeted layer is 4 wide."]
+    with pytest.raises(ValueError, match="max_rank"):
+        default_space(max_rank=0)

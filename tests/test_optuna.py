@@ -39,7 +39,7 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 def make_spec(model_dir, train, dev, output_dir, **kw):
     return ls.JobSpec(base_model=str(model_dir), train_data=train, eval_data=dev, max_seq_len=32,
-                      output_dir=str(output_dir), **{"eval_every": 1, **kw})
+                      output_dir=str(output_dir), **{"eval_every": 1, "padding": "max_seq_len", **kw})
 
 
 @pytest.fixture

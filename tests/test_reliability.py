@@ -42,14 +42,14 @@ def compare(a, b, exact: bool):
 
 @pytest.fixture
 def unsplit(tiny_llama_dir, toy_data, tmp_path):
-    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "unsplit", eval_every=2), trials(), progress=False)
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "unsplit", eval_every=2, padding="max_seq_len"), trials(), progress=False)
     losses = run_packed(job)
     return finals(job), losses
 
 
 def test_microbatches_by_whole_adapters_are_bit_identical(tiny_llama_dir, toy_data, tmp_path, unsplit):
     # 32 tokens per row: a cap of 96 keeps every adapter whole (3 rows at most) but splits the step
-    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "split", eval_every=2,
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "split", eval_every=2, padding="max_seq_len",
                               max_tokens_per_microbatch=96), trials(), progress=False)
     losses = run_packed(job)
     assert all(s["microbatches"] >= 2 for s in job.step_stats if s["num_adapters"] == 3)
@@ -58,7 +58,7 @@ def test_microbatches_by_whole_adapters_are_bit_identical(tiny_llama_dir, toy_da
 
 
 def test_microbatches_inside_an_adapter_match_to_rounding(tiny_llama_dir, toy_data, tmp_path, unsplit):
-    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "split", eval_every=2,
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "split", eval_every=2, padding="max_seq_len",
                               max_tokens_per_microbatch=32), trials(), progress=False)
     run_packed(job)
     assert max(s["microbatches"] for s in job.step_stats) == 6  # one row each
@@ -66,7 +66,7 @@ def test_microbatches_inside_an_adapter_match_to_rounding(tiny_llama_dir, toy_da
 
 
 def test_out_of_memory_splits_the_step_and_every_trial_finishes(tiny_llama_dir, toy_data, tmp_path, unsplit):
-    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "oom", eval_every=2), trials(), progress=False)
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "oom", eval_every=2, padding="max_seq_len"), trials(), progress=False)
     job.simulated_oom = lambda padded_tokens, adapters: padded_tokens > 100
     events = list(job.run())
     assert job.microbatch_tokens is not None and job.microbatch_tokens <= 100
@@ -75,7 +75,7 @@ def test_out_of_memory_splits_the_step_and_every_trial_finishes(tiny_llama_dir, 
 
 
 def test_adapter_that_cannot_fit_moves_out_and_comes_back(tiny_llama_dir, toy_data, tmp_path, unsplit):
-    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "evict", eval_every=2), trials(), progress=False)
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "evict", eval_every=2, padding="max_seq_len"), trials(), progress=False)
     # three adapters' states leave no room for activations at all; two leave room for 64 tokens
     job.simulated_oom = lambda padded_tokens, adapters: adapters >= 3 or padded_tokens > 64
     events = list(job.run())
@@ -105,6 +105,7 @@ RUNNER = textwrap.dedent("""
                              gradient_accumulation_steps=2),
               ls.TrialConfig(rank=4, learning_rate=3e-3, batch_size=1, max_steps=3, seed=4, trial_id="short")]
     spec = ls.JobSpec(base_model=model_dir, train_data=json.load(open(data)), max_seq_len=32, eval_every=1,
+                      padding="max_seq_len",
                       checkpoint_every=int(sys.argv[4]) if len(sys.argv) > 4 else 2, output_dir=out)
     job = PackedJob(spec, trials, progress=False)
     for e in job.run():
@@ -145,7 +146,7 @@ def test_kill_9_and_restart_gives_the_uninterrupted_adapters(tiny_llama_dir, toy
 
 
 def test_trial_that_cannot_fit_even_alone_fails_alone(tiny_llama_dir, toy_data, tmp_path):
-    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "alone", eval_every=2), trials()[:1],
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "alone", eval_every=2, padding="max_seq_len"), trials()[:1],
                     progress=False)
     job.simulated_oom = lambda padded_tokens, adapters: True  # no memory at all
     events = list(job.run())
@@ -153,14 +154,14 @@ def test_trial_that_cannot_fit_even_alone_fails_alone(tiny_llama_dir, toy_data, 
 
 
 def test_a_trial_state_continues_exactly_in_another_job_under_another_id(tiny_llama_dir, toy_data, tmp_path, unsplit):
-    first = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "first", eval_every=2), trials(), progress=False)
+    first = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "first", eval_every=2, padding="max_seq_len"), trials(), progress=False)
     for event in first.run():
         if isinstance(event, Report) and event.trial_id == "b" and event.step == 4:
             break
     state = first.trial_state("b")
     with pytest.raises(KeyError):
         first.trial_state("nope")
-    second = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "second", eval_every=2), [], progress=False)
+    second = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "second", eval_every=2, padding="max_seq_len"), [], progress=False)
     import dataclasses
     second.add_trial(dataclasses.replace(trials()[1], trial_id="b-rerun"), state=state)
     second.add_trial(dataclasses.replace(trials()[0], trial_id="wrong"), state=state)  # a's config, b's state
@@ -175,7 +176,7 @@ def test_a_trial_state_continues_exactly_in_another_job_under_another_id(tiny_ll
 def test_out_of_memory_corrects_the_jobs_memory_model(tiny_llama_dir, toy_data, tmp_path):
     from lora_sweep.costmodel import CostModel
 
-    spec = make_spec(tiny_llama_dir, toy_data, tmp_path / "oom-model", eval_every=2)
+    spec = make_spec(tiny_llama_dir, toy_data, tmp_path / "oom-model", eval_every=2, padding="max_seq_len")
     job = PackedJob(spec, trials(), progress=False)
     job.memory_model = CostModel.from_model(spec, gpu="h100-sxm", gpu_memory_gb=0.05)
     assert job.memory_model.fits(trials())  # the model thinks they fit ...

@@ -196,6 +196,8 @@ class TrialConfig:
         if self.target_modules is not None:
             if isinstance(self.target_modules, str):
                 self.target_modules = (self.target_modules,)
+            if type(self.target_modules).__module__ == "numpy":  # an array of names
+                self.target_modules = self.target_modules.tolist()
             if not isinstance(self.target_modules, (list, tuple)):
                 raise _fail(tid, "target_modules", self.target_modules, "None or a non-empty list of module names")
             mods = tuple(self.target_modules)
@@ -301,6 +303,8 @@ class JobSpec:
         _check_int(None, "max_seq_len", self.max_seq_len, 2)
         if isinstance(self.target_modules, str):
             self.target_modules = (self.target_modules,)
+        if type(self.target_modules).__module__ == "numpy":  # an array of names
+            self.target_modules = self.target_modules.tolist()
         self.target_modules = tuple(_plain(m) for m in self.target_modules)
         if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
             raise _fail(None, "target_modules", self.target_modules, "a non-empty list of module names")

@@ -304,3 +304,118 @@ def test_cpu_pads_to_the_longest_sample_by_default(tiny_llama_dir, tmp_path):
     job = PackedJob(spec, [ls.TrialConfig(rank=2, max_steps=1, trial_id="t")], progress=False)
     list(job.run())
     assert job.pad_length is None and job.step_stats[0]["padded_tokens"] == len(job.train_samples[0])
+
+
+# ---------------------------------------------------------------- the per-trial failure boundary
+
+HEALTHY = [dict(rank=4, batch_size=1, max_steps=2, dropout=0.0, seed=1, trial_id="h1"),
+           dict(rank=2, batch_size=2, max_steps=2, dropout=0.0, seed=2, trial_id="h2")]
+
+
+def healthy_spec(model_dir, out):
+    return ls.JobSpec(base_model=model_dir, train_data=[GOOD, {"prompt": "rev abc =", "completion": "cba"}] * 4,
+                      max_seq_len=16, eval_every=1, output_dir=str(out), padding="max_seq_len")
+
+
+def healthy_weights(job):
+    return {t: load_file(os.path.join(job.finished[t], "adapter_model.safetensors")) for t in ("h1", "h2")}
+
+
+_REFERENCE = {}
+
+
+def reference_weights(model_dir, tmp_path_factory):
+    if model_dir not in _REFERENCE:
+        job = PackedJob(healthy_spec(model_dir, tmp_path_factory.mktemp("ref")),
+                        [ls.TrialConfig(**t) for t in HEALTHY], progress=False)
+        list(job.run())
+        _REFERENCE[model_dir] = healthy_weights(job)
+    return _REFERENCE[model_dir]
+
+
+def run_with_hostile(model_dir, out, hostile, patch=None):
+    """Run the two healthy trials, adding `hostile` after their first step; returns the events."""
+    job = PackedJob(healthy_spec(model_dir, out), [ls.TrialConfig(**t) for t in HEALTHY], progress=False)
+    if patch:
+        patch(job)
+    events, hostile_id, done = [], None, set()
+    for e in job.run():
+        events.append(e)
+        if isinstance(e, Report) and e.trial_id == "h1" and e.step == 1 and hostile_id is None:
+            hostile_id = job.add_trial(hostile) or "?"
+        if isinstance(e, Finished) and e.trial_id in ("h1", "h2"):
+            done.add(e.trial_id)
+            if done == {"h1", "h2"} and hostile_id in job.trials:
+                job.remove_trial(hostile_id)  # a valid hostile trial may run for long: enough
+    return job, events
+
+
+def test_errors_raised_for_one_trial_fail_it_alone(tiny_llama_dir, tmp_path, tmp_path_factory, monkeypatch):
+    import lora_sweep.engine as engine
+
+    real_write = engine.write_peft_adapter
+
+    def write(path, cfg, *args):  # saving the bad trial's adapter fails
+        if cfg.trial_id == "bad":
+            raise OSError(28, "No space left on device")
+        return real_write(path, cfg, *args)
+
+    monkeypatch.setattr(engine, "write_peft_adapter", write)
+    job, events = run_with_hostile(tiny_llama_dir, tmp_path / "save", dict(rank=2, max_steps=1, trial_id="bad"))
+    failed = [e for e in events if isinstance(e, Failed)]
+    assert [e.trial_id for e in failed] == ["bad"] and "No space left on device" in failed[0].reason
+    assert not failed[0].rejected
+    assert healthy_weights(job).keys() == {"h1", "h2"}
+    want = reference_weights(tiny_llama_dir, tmp_path_factory)
+    for t in ("h1", "h2"):
+        assert all(torch.equal(healthy_weights(job)[t][k], want[t][k]) for k in want[t])
+
+
+def test_a_cpu_allocation_failure_is_out_of_memory(tiny_llama_dir, tmp_path, tmp_path_factory):
+    def patch(job):
+        real, calls = job._adapter_losses, []
+
+        def losses(adapters, groups, train):
+            calls.append(1)
+            if train and len(calls) == 2:
+                raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                                   "memory: you tried to allocate 1099511627776 bytes.")
+            return real(adapters, groups, train)
+
+        job._adapter_losses = losses
+
+    job, events = run_with_hostile(tiny_llama_dir, tmp_path / "oom", dict(rank=2, max_steps=1, trial_id="x"),
+                                   patch=patch)
+    assert {e.trial_id for e in events if isinstance(e, Finished)} == {"h1", "h2", "x"}
+    assert job.microbatch_tokens is not None  # the step was retried in smaller microbatches
+
+
+HOSTILE_VALUES = {
+    "rank": st.sampled_from([1, np.int64(2), torch.tensor(3), 0, 10**6, np.float32(2.0), True]),
+    "alpha": st.sampled_from([1e-40, 1e39, np.float32(1e38), np.float16(8), torch.tensor(4.0), -1.0, math.inf]),
+    "learning_rate": st.sampled_from([1e39, 1e30, np.float32(1e-3), 5e-324, torch.tensor(1e20), math.nan]),
+    "batch_size": st.sampled_from([1, np.int32(3), 0, 10**9]),
+    "max_steps": st.sampled_from([1, np.int64(2), 10**12, -1]),
+    "gradient_accumulation_steps": st.sampled_from([1, 4096, 10**9, np.uint16(2)]),
+    "use_rslora": st.sampled_from([np.bool_(True), False, "yes"]),
+    "dropout": st.sampled_from([0.0, np.float64(0.999), 1.0]),
+    "max_grad_norm": st.sampled_from([None, 0.0, 1e-45, np.float32(1.0)]),
+    "seed": st.sampled_from([np.int64(3), 2**64, torch.tensor(1)]),
+    "trial_id": st.sampled_from(["", ".", "..", "a/b", "../../escape", "h1", np.str_("h2"), "x" * 300, "x" * 600,
+                                 "a\ud800", "a\nb", None, np.int64(7)]),
+}
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(hostile=st.fixed_dictionaries({}, optional=HOSTILE_VALUES))
+def test_a_hostile_trial_never_costs_its_pack_mates(tiny_llama_dir, tmp_path_factory, hostile):
+    out = tmp_path_factory.mktemp("hostile")
+    job, events = run_with_hostile(tiny_llama_dir, out, hostile)  # never raises
+    want = reference_weights(tiny_llama_dir, tmp_path_factory)
+    got = healthy_weights(job)
+    for t in ("h1", "h2"):
+        assert all(torch.equal(got[t][k], want[t][k]) for k in want[t]), t
+    for e in events:  # whatever happened to the hostile trial, it happened inside output_dir
+        if isinstance(e, Finished):
+            assert os.path.realpath(e.adapter_dir).startswith(os.path.realpath(out))

@@ -205,3 +205,111 @@ def test_sigterm_checkpoints_every_adapter_and_a_restart_resumes(tiny_llama_dir,
     resumed = subprocess.run(run, capture_output=True, text=True, check=True).stdout.splitlines()
     first_b = next(line for line in resumed if line.startswith("Report b "))
     assert int(first_b.split()[-1]) > 5  # continued after the SIGTERM checkpoint
+
+
+# ---------------------------------------------------------------- integrity of what a job wrote
+
+import random  # noqa: E402
+import warnings  # noqa: E402
+
+from lora_sweep.config import trial_file_name  # noqa: E402
+
+FIVE = ["trunc", "garbage", "bitflip", "isdir", "fine"]
+
+
+def five_trials(max_steps=3):
+    return [ls.TrialConfig(rank=2, learning_rate=2e-3, max_steps=max_steps, dropout=0.0, seed=i, trial_id=t)
+            for i, t in enumerate(FIVE)]
+
+
+def five_spec(model_dir, toy_data, out, **kw):
+    return make_spec(model_dir, toy_data, out, eval_every=1, checkpoint_every=1, padding="max_seq_len", **kw)
+
+
+def damage(path, how):
+    data = path.read_bytes()
+    if how == "trunc":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        path.write_bytes(random.Random(0).randbytes(len(data)))
+    elif how == "bitflip":  # one bit in the middle of the file: inside the tensors' bytes
+        flipped = bytearray(data)
+        flipped[len(data) * 2 // 3] ^= 0x04
+        path.write_bytes(bytes(flipped))
+    elif how == "isdir":
+        path.unlink()
+        path.mkdir()
+
+
+def test_damaged_checkpoints_restart_their_trial_and_the_others_resume(tiny_llama_dir, toy_data, tmp_path):
+    clean = PackedJob(five_spec(tiny_llama_dir, toy_data, tmp_path / "clean"), five_trials(), progress=False)
+    list(clean.run())
+    first = PackedJob(five_spec(tiny_llama_dir, toy_data, tmp_path / "crash"), five_trials(), progress=False)
+    for event in first.run():
+        if isinstance(event, Report) and event.trial_id == "fine" and event.step == 2:
+            break  # every trial has its step-2 checkpoint
+    del first
+    for how in FIVE[:4]:
+        damage(tmp_path / "crash" / "runs" / "checkpoints" / f"{how}.pt", how)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = PackedJob(five_spec(tiny_llama_dir, toy_data, tmp_path / "crash"), five_trials(), progress=False)
+        events = list(again.run())
+    for how in FIVE[:4]:
+        assert any(f"Trial {how!r}" in str(w.message) and "checkpoint" in str(w.message) for w in caught), how
+    first_report = {t: min(e.step for e in events if isinstance(e, Report) and e.trial_id == t) for t in FIVE}
+    assert first_report == {"trunc": 1, "garbage": 1, "bitflip": 1, "isdir": 1, "fine": 3}
+    compare(finals(again), finals(clean), exact=True)
+
+
+def test_damaged_results_and_adapters_are_retrained(tiny_llama_dir, toy_data, tmp_path):
+    out = tmp_path / "done"
+    job = PackedJob(five_spec(tiny_llama_dir, toy_data, out), five_trials(2), progress=False)
+    list(job.run())
+    want = {t: {k: v.clone() for k, v in w.items()} for t, w in finals(job).items()}  # not views of the files
+    adapters = out / "runs" / "adapters"
+    (adapters / "trunc" / "adapter_model.safetensors").unlink()  # a missing adapter file
+    damage(adapters / "garbage" / "lora_sweep_result.json", "garbage")
+    damage(adapters / "bitflip" / "adapter_model.safetensors", "bitflip")
+    damage(adapters / "isdir" / "lora_sweep_result.json", "isdir")
+    with pytest.warns(UserWarning, match="trained again"):
+        again = PackedJob(five_spec(tiny_llama_dir, toy_data, out), five_trials(2), progress=False)
+        events = list(again.run())
+    trained = {e.trial_id for e in events if isinstance(e, Report)}
+    assert trained == set(FIVE[:4])  # "fine" is reported Finished from its result
+    assert {e.trial_id for e in events if isinstance(e, Finished)} == set(FIVE)
+    compare(finals(again), want, exact=True)
+
+
+def test_checkpoints_of_trials_that_leave_unfinished_are_deleted_unless_kept(tiny_llama_dir, toy_data, tmp_path):
+    for keep in (False, True):
+        spec = five_spec(tiny_llama_dir, toy_data, tmp_path / str(keep), keep_checkpoints=keep)
+        job = PackedJob(spec, five_trials(4)[:2], progress=False)
+        for event in job.run():
+            if isinstance(event, Report) and event.trial_id == "garbage" and event.step == 2:
+                job.remove_trial("trunc")
+        left = {p.name for p in (tmp_path / str(keep) / "runs" / "checkpoints").iterdir()}
+        assert left == ({"trunc.pt"} if keep else set())  # the finished trial's is always gone
+
+
+def test_a_second_job_on_the_same_output_dir_fails_its_trials_at_once(tiny_llama_dir, toy_data, tmp_path):
+    script, data = tmp_path / "runner.py", tmp_path / "train.json"
+    script.write_text(RUNNER)
+    data.write_text(json.dumps(toy_data[0]))
+    out = tmp_path / "shared"
+    proc = subprocess.Popen([sys.executable, str(script), tiny_llama_dir, str(data), str(out)],
+                            stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("Report a 1"):
+            break
+    spec = ls.JobSpec(base_model=tiny_llama_dir, train_data=toy_data[0], max_seq_len=32, output_dir=str(out),
+                      checkpoint_every=2)
+    second = PackedJob(spec, [ls.TrialConfig(rank=4, max_steps=12, trial_id=t) for t in ("a", "b")], progress=False)
+    events = list(second.run())
+    assert [type(e) for e in events] == [Failed, Failed] and all(e.rejected for e in events)
+    assert all(f"pid {proc.pid}" in e.reason and str(out) in e.reason for e in events)
+    rest = proc.stdout.read()
+    assert proc.wait() == 0
+    assert all(f"Finished {t} " in rest or f"Finished {t} " in line for t in ("a", "b", "c"))
+    assert sorted(p.name for p in (out / "adapters").iterdir()) == ["a", "b", "c", "short"]
+    assert trial_file_name("a") == "a"

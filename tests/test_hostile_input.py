@@ -419,3 +419,25 @@ def test_a_hostile_trial_never_costs_its_pack_mates(tiny_llama_dir, tmp_path_fac
     for e in events:  # whatever happened to the hostile trial, it happened inside output_dir
         if isinstance(e, Finished):
             assert os.path.realpath(e.adapter_dir).startswith(os.path.realpath(out))
+
+
+def test_optuna_with_numpy_values_and_a_300_character_study_name(tiny_llama_dir, tmp_path):
+    optuna = pytest.importorskip("optuna")
+    from lora_sweep.integrations.optuna import PackedLoRASampler
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    def space(trial):  # define-by-run, handing NumPy values over as NumPy code does
+        return {"rank": np.int64(trial.suggest_int("rank", 2, 4)),
+                "learning_rate": np.float32(trial.suggest_float("learning_rate", 1e-3, 1e-2, log=True)),
+                "batch_size": np.int32(2), "use_rslora": np.bool_(trial.number % 2), "seed": np.int64(trial.number),
+                "dropout": np.float64(0.0)}
+
+    spec = ls.JobSpec(base_model=tiny_llama_dir, train_data=[GOOD] * 4, eval_data=[GOOD], max_seq_len=16,
+                      eval_every=1, output_dir=str(tmp_path / "runs"), checkpoint_every=1)
+    study = optuna.create_study(study_name="s" * 300, pruner=optuna.pruners.NopPruner())
+    sampler = PackedLoRASampler(study, spec, space, trial_defaults={"max_steps": 2}, max_concurrent=2)
+    sampler.optimize(n_trials=2, show_progress_bar=False)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    for t in study.trials:
+        assert os.path.isdir(t.user_attrs["adapter_dir"])

@@ -466,7 +466,8 @@ def worker_main(args: dict) -> None:
                                 sampler=optuna.samplers.TPESampler(constant_liar=True))
     spec = ls.JobSpec(base_model=args["model"], train_data=os.path.join(args["data"], "train.jsonl"),
                       eval_data=os.path.join(args["data"], "eval.jsonl"), max_seq_len=32, eval_every=1,
-                      output_dir=args["output"], checkpoint_every=args.get("checkpoint_every"))
+                      output_dir=args["output"], checkpoint_every=args.get("checkpoint_every"),
+                      padding="max_seq_len")
     sampler = PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": args["max_steps"], "batch_size": 2},
                                 max_concurrent=2, heartbeat_interval=1.0)
 

@@ -56,7 +56,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 from tqdm.auto import tqdm
 
 from lora_sweep import space as _space
-from lora_sweep.config import ConfigError, JobSpec, TrialConfig, check_against_model
+from lora_sweep.config import MAX_TRIAL_ID_CHARS, ConfigError, JobSpec, TrialConfig, bounded_name, check_against_model
 from lora_sweep.costmodel import job_memory_model
 from lora_sweep.engine import Failed, Finished, PackedJob, Report
 from lora_sweep.planner import fits_running_job
@@ -719,8 +719,10 @@ _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrialConfig)}
 
 
 def _engine_trial_id(study_name: str, number: int) -> str:
-    """The engine's trial_id of an Optuna trial: its adapter and checkpoint are saved under it."""
-    return f"{study_name}-trial-{number}"
+    """The engine's trial_id of an Optuna trial: its adapter and checkpoint are saved under it.
+    A study name too long for a trial_id is shortened with a hash of the whole (`bounded_name`)."""
+    suffix = f"-trial-{number}"
+    return bounded_name(study_name, MAX_TRIAL_ID_CHARS - len(suffix)) + suffix
 
 
 def _trial_config(trial: Trial, search_space, trial_defaults: Mapping[str, Any], trial_id: str) -> TrialConfig:

@@ -9,12 +9,20 @@ names the trial, the field, the value and what is allowed.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
+import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 LR_SCHEDULERS = ("linear", "cosine", "constant")
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: optimizer and kernels hold floats in fp32
+FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny: a smaller positive value flushes to 0
+MAX_TRIAL_ID_CHARS = 512  # room for a long study name plus "-trial-<number>"
+MAX_BATCH_SIZE = 65536  # samples one adapter draws per micro-step
+MAX_GRADIENT_ACCUMULATION_STEPS = 4096  # micro-steps before an adapter's first optimizer step (and report)
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -40,6 +48,20 @@ def _fail(trial_id, name, value, rule) -> ConfigError:
     )
 
 
+def _plain(v):
+    """A NumPy scalar, 0-d array or 0-d torch tensor as the Python value of its kind
+    (`np.int64` -> int, `np.float32` -> float, `np.bool_` -> bool, `np.str_` -> str); anything
+    else unchanged. Tuners and NumPy code hand these over; configs store plain values, which
+    serialise to JSON and unpickle with `torch.load(weights_only=True)`."""
+    if isinstance(v, str):
+        return str(v)  # np.str_ is a str subclass
+    if type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+        return v.item()
+    if type(v).__module__.startswith("torch") and hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+        return v.item()
+    return v
+
+
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
@@ -57,6 +79,58 @@ def _check_int(tid, name, v, lo, hi=None):
 def _check_real(tid, name, v, rule, ok):
     if not _is_real(v) or not math.isfinite(float(v)) or not ok(float(v)):
         raise _fail(tid, name, v, rule)
+
+
+def _fp32(v: float) -> bool:
+    """Whether `v` keeps its meaning in fp32: 0, or a magnitude between fp32's smallest normal
+    and largest finite number."""
+    return v == 0 or FP32_TINY <= abs(v) <= FP32_MAX
+
+
+_FP32_RANGE = f"{FP32_TINY:.4g} and {FP32_MAX:.4g} (float32's range)"
+
+
+def check_trial_id(trial_id) -> str:
+    """A trial_id as a non-empty string of at most MAX_TRIAL_ID_CHARS characters, encodable as
+    UTF-8, and neither '.' nor '..'. Any such id has its own file name (`trial_file_name`)."""
+    trial_id = _plain(trial_id)
+    if not isinstance(trial_id, str):
+        trial_id = str(trial_id)
+    rule = f"a non-empty string of at most {MAX_TRIAL_ID_CHARS} characters, valid UTF-8, other than '.' and '..'"
+    shown = trial_id if len(trial_id) <= 80 else trial_id[:77] + "..."
+    if not trial_id or len(trial_id) > MAX_TRIAL_ID_CHARS or trial_id in (".", ".."):
+        raise ConfigError(f"The value of `trial_id` is {shown!r}, but must be {rule}.", field="trial_id")
+    try:
+        trial_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"The value of `trial_id` is {shown!r}, but must be {rule}.", field="trial_id") from None
+    return trial_id
+
+
+_PLAIN_NAME = re.compile(r"[a-z0-9_][a-z0-9_.-]{0,63}")  # kept as it is: lower case (case-insensitive
+# file systems), no leading '.' or '-', short, and without '+', which marks the hashed names below
+
+
+def trial_file_name(trial_id: str) -> str:
+    """The file or directory name of a trial's adapter and checkpoint, one-to-one with its id.
+
+    An id made of lower-case letters, digits, '_', '.' and '-' (not leading '.' or '-') of up
+    to 64 characters is its own name. Any other id gets a readable slug (its first 40
+    characters, others replaced by '_') followed by '+' and 16 hex digits of the id's SHA-256:
+    'a/b' -> 'a_b+...', which never equals a plain name (those have no '+')."""
+    if _PLAIN_NAME.fullmatch(trial_id):
+        return trial_id
+    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", trial_id[:40]).lstrip(".-")
+    return f"{slug}+{hashlib.sha256(trial_id.encode('utf-8')).hexdigest()[:16]}"
+
+
+def bounded_name(name: str, limit: int = MAX_TRIAL_ID_CHARS) -> str:
+    """`name` if it has at most `limit` characters, else its head and a hash of the whole, within
+    `limit`: for trial ids built from a tuner's study or experiment name."""
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{name[: limit - 17]}~{digest}"
 
 
 @dataclass
@@ -91,38 +165,49 @@ class TrialConfig:
     trial_id: Optional[str] = field(default=None, metadata={"help": "Unique name; the engine assigns one if None."})
 
     def __post_init__(self):
-        if self.trial_id is not None and not isinstance(self.trial_id, str):
-            self.trial_id = str(self.trial_id)
+        for f in fields(self):  # NumPy / torch scalars -> Python values
+            setattr(self, f.name, _plain(getattr(self, f.name)))
+        if self.trial_id is not None:
+            try:
+                self.trial_id = check_trial_id(self.trial_id)
+            except ConfigError as e:
+                raise ConfigError(str(e), field="trial_id", trial_id=str(self.trial_id)) from None
         tid = self.trial_id
         _check_int(tid, "rank", self.rank, 1)
-        _check_real(tid, "alpha", self.alpha, "a finite number > 0", lambda v: v > 0)
+        _check_real(tid, "alpha", self.alpha, f"a finite number > 0 between {_FP32_RANGE}",
+                    lambda v: v > 0 and _fp32(v))
         _check_real(tid, "dropout", self.dropout, "a number with 0 <= `dropout` < 1", lambda v: 0 <= v < 1)
-        _check_real(
-            tid, "learning_rate", self.learning_rate, "a finite number > 0", lambda v: v > 0
-        )
-        _check_int(tid, "batch_size", self.batch_size, 1)
+        _check_real(tid, "learning_rate", self.learning_rate, f"a finite number > 0 between {_FP32_RANGE}",
+                    lambda v: v > 0 and _fp32(v))
+        _check_int(tid, "batch_size", self.batch_size, 1, MAX_BATCH_SIZE)
         _check_int(tid, "max_steps", self.max_steps, 1)
-        _check_real(tid, "weight_decay", self.weight_decay, "a finite number >= 0", lambda v: v >= 0)
+        _check_real(tid, "weight_decay", self.weight_decay, f"a finite number >= 0: 0 or between {_FP32_RANGE}",
+                    lambda v: v >= 0 and _fp32(v))
         _check_int(tid, "warmup_steps", self.warmup_steps, 0)
         if self.lr_scheduler not in LR_SCHEDULERS:
             raise _fail(tid, "lr_scheduler", self.lr_scheduler, f"one of {', '.join(LR_SCHEDULERS)}")
         if self.max_grad_norm is not None:
-            _check_real(
-                tid, "max_grad_norm", self.max_grad_norm, "None or a finite number >= 0", lambda v: v >= 0
-            )
-        _check_int(tid, "gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+            _check_real(tid, "max_grad_norm", self.max_grad_norm,
+                        f"None or a finite number >= 0: 0 or between {_FP32_RANGE}", lambda v: v >= 0 and _fp32(v))
+        _check_int(tid, "gradient_accumulation_steps", self.gradient_accumulation_steps, 1,
+                   MAX_GRADIENT_ACCUMULATION_STEPS)
         if not isinstance(self.use_rslora, bool):
             raise _fail(tid, "use_rslora", self.use_rslora, "True or False")
         if self.target_modules is not None:
             if isinstance(self.target_modules, str):
                 self.target_modules = (self.target_modules,)
+            if type(self.target_modules).__module__ == "numpy":  # an array of names
+                self.target_modules = self.target_modules.tolist()
             if not isinstance(self.target_modules, (list, tuple)):
                 raise _fail(tid, "target_modules", self.target_modules, "None or a non-empty list of module names")
             mods = tuple(self.target_modules)
             if not mods or not all(isinstance(m, str) and m for m in mods):
                 raise _fail(tid, "target_modules", self.target_modules, "None or a non-empty list of module names")
-            self.target_modules = mods
+            self.target_modules = tuple(str(m) for m in mods)  # np.str_ -> str
         _check_int(tid, "seed", self.seed, 0, 2**63 - 1)
+        if not _fp32(self.scaling):  # alpha / rank is a kernel argument in fp32
+            raise _fail(tid, "alpha", self.alpha, f"such that the scaling alpha / rank ({self.scaling:.4g}) lies "
+                        f"between {_FP32_RANGE}")
         # Normalise numeric types so that equal configs compare and serialise equal.
         self.alpha = float(self.alpha)
         self.dropout = float(self.dropout)
@@ -201,10 +286,16 @@ class JobSpec:
                   "max_seq_len: one row per sample, padded to the microbatch's longest sample or to max_seq_len "
                   "(then an adapter's arithmetic does not depend on its pack-mates, bit for bit). "
                   "auto: packed on CUDA (max_seq_len for a model with a sliding attention window shorter "
-                  "than max_seq_len, which packed rows cannot keep), max_seq_len elsewhere."},
+                  "than max_seq_len, which packed rows cannot keep), longest elsewhere."},
     )
+    keep_checkpoints: bool = field(
+        default=False, metadata={"help": "Keep the checkpoints of trials that leave unfinished (pruned, removed "
+                                 "or failed); by default they are deleted when the trial leaves."})
 
     def __post_init__(self):
+        for f in fields(self):  # NumPy / torch scalars -> Python values; data, model and tokenizer as given
+            if f.name not in ("base_model", "train_data", "eval_data", "tokenizer"):
+                setattr(self, f.name, _plain(getattr(self, f.name)))
         if not (isinstance(self.base_model, str) or callable(self.base_model)):
             raise _fail(None, "base_model", self.base_model, "a hub id, a local directory or a zero-arg factory")
         if self.train_data is None:
@@ -212,9 +303,12 @@ class JobSpec:
         _check_int(None, "max_seq_len", self.max_seq_len, 2)
         if isinstance(self.target_modules, str):
             self.target_modules = (self.target_modules,)
-        self.target_modules = tuple(self.target_modules)
+        if type(self.target_modules).__module__ == "numpy":  # an array of names
+            self.target_modules = self.target_modules.tolist()
+        self.target_modules = tuple(_plain(m) for m in self.target_modules)
         if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
             raise _fail(None, "target_modules", self.target_modules, "a non-empty list of module names")
+        self.target_modules = tuple(str(m) for m in self.target_modules)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise _fail(None, "dtype", self.dtype, "one of auto, float32, bfloat16, float16")
         if not isinstance(self.device, str):
@@ -226,6 +320,13 @@ class JobSpec:
         if self.padding not in ("auto", "packed", "longest", "max_seq_len"):
             raise _fail(None, "padding", self.padding, "one of auto, packed, longest, max_seq_len")
         _check_int(None, "eval_every", self.eval_every, 1)
+        for flag in ("gradient_checkpointing", "keep_checkpoints"):
+            if not isinstance(getattr(self, flag), bool):
+                raise _fail(None, flag, getattr(self, flag), "True or False")
+        if not isinstance(self.output_dir, str):
+            if not isinstance(self.output_dir, os.PathLike):
+                raise _fail(None, "output_dir", self.output_dir, "a directory path")
+            self.output_dir = os.fspath(self.output_dir)
         _check_int(None, "eval_batch_size", self.eval_batch_size, 1)
         if self.max_eval_samples is not None:
             _check_int(None, "max_eval_samples", self.max_eval_samples, 1)

@@ -7,6 +7,7 @@ Rows are `{"prompt", "completion"}` (the loss counts completion tokens only) or 
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -38,27 +39,16 @@ class Sample:
 
 
 def load_rows(source: Any, field_name: str) -> list[dict]:
-    """Rows from a .jsonl/.json path, a list of dicts, or a `datasets.Dataset`."""
+    """Rows from a .jsonl/.json path, a list of dicts, or a `datasets.Dataset`. Files are read
+    as UTF-8 (a leading byte-order mark is skipped); every failure is a `ConfigError` naming
+    the file, the row and the field."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if not os.path.exists(path):
-            raise ConfigError(f"`{field_name}` file {path!r} does not exist.", field=field_name)
-        with open(path, encoding="utf-8") as f:
-            if path.endswith(".jsonl"):
-                rows = []
-                for i, line in enumerate(f):
-                    if line.strip():
-                        try:
-                            rows.append(json.loads(line))
-                        except json.JSONDecodeError as e:
-                            raise ConfigError(f"`{field_name}` line {i + 1} of {path!r} is not JSON: {e}.",
-                                              field=field_name) from None
-            elif path.endswith(".json"):
-                rows = json.load(f)
-            else:
-                raise ConfigError(f"`{field_name}` must be a .jsonl or .json file, got {path!r}.", field=field_name)
-    elif isinstance(source, Iterable) and not isinstance(source, (dict, bytes)):
+        rows = _read_file(path, field_name)
+        where = f"`{field_name}` ({path!r})"
+    elif isinstance(source, Iterable) and not isinstance(source, (dict, bytes, str)):
         rows = list(source)  # a list of dicts or a datasets.Dataset (iterates dicts)
+        where = f"`{field_name}`"
     else:
         raise ConfigError(f"`{field_name}` must be a path, a list of dicts or a datasets.Dataset, "
                           f"got {type(source).__name__}.", field=field_name)
@@ -66,30 +56,81 @@ def load_rows(source: Any, field_name: str) -> list[dict]:
         raise ConfigError(f"`{field_name}` is empty: at least one row is needed.", field=field_name)
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise ConfigError(f"`{field_name}` row {i} is a {type(row).__name__}, not a dict.", field=field_name)
+            raise ConfigError(f"{where} row {i} is a {type(row).__name__}, not a dict.", field=field_name)
         keys = ("prompt", "completion") if "prompt" in row or "completion" in row else ("text",)
         for k in keys:
             if k not in row:
-                raise ConfigError(f"`{field_name}` row {i} has keys {sorted(row)}; rows need "
+                raise ConfigError(f"{where} row {i} has keys {sorted(row)}; rows need "
                                   "{'prompt', 'completion'} or {'text'}.", field=field_name)
             if not isinstance(row[k], str):
-                raise ConfigError(f"`{field_name}` row {i} field {k!r} is a {type(row[k]).__name__}, "
+                raise ConfigError(f"{where} row {i} field {k!r} is a {type(row[k]).__name__}, "
                                   "not a string.", field=field_name)
+            try:
+                row[k].encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a JSON "\ud800" escape
+                raise ConfigError(f"{where} row {i} field {k!r} is not valid Unicode: {e.reason} at "
+                                  f"character {e.start}.", field=field_name) from None
     return rows
+
+
+def _read_file(path: str, field_name: str) -> list:
+    if os.path.isdir(path):
+        raise ConfigError(f"`{field_name}` {path!r} is a directory; give a .jsonl or .json file.", field=field_name)
+    if not os.path.exists(path):
+        raise ConfigError(f"`{field_name}` file {path!r} does not exist.", field=field_name)
+    if not path.endswith((".jsonl", ".json")):
+        raise ConfigError(f"`{field_name}` must be a .jsonl or .json file, got {path!r}.", field=field_name)
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.endswith(".jsonl"):
+        rows = []
+        for i, line in enumerate(raw.split(b"\n")):
+            text = _decode(line[3:] if i == 0 and line.startswith(codecs.BOM_UTF8) else line, path, field_name,
+                           f"line {i + 1}")
+            if text.strip():
+                try:
+                    rows.append(json.loads(text))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"`{field_name}` line {i + 1} of {path!r} is not JSON: {e}.",
+                                      field=field_name) from None
+        return rows
+    text = _decode(raw[3:] if raw.startswith(codecs.BOM_UTF8) else raw, path, field_name, "file")
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"`{field_name}` file {path!r} is not JSON: {e}.", field=field_name) from None
+    if not isinstance(rows, list):
+        raise ConfigError(f"`{field_name}` file {path!r} holds a JSON {type(rows).__name__}, but must hold a "
+                          "list of rows (a JSON array of objects); for one row per line use .jsonl.", field=field_name)
+    return rows
+
+
+def _decode(data: bytes, path: str, field_name: str, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        place = f"line {line}" if where == "file" else where
+        raise ConfigError(f"`{field_name}` {place} of {path!r} is not valid UTF-8 (byte {e.start} of "
+                          f"{'the file' if where == 'file' else 'the line'}: {e.reason}).", field=field_name) from None
 
 
 def tokenize_rows(rows: Sequence[dict], tokenizer, max_seq_len: int, field_name: str) -> list[Sample]:
     """Tokenise every row once. Rows longer than `max_seq_len` are truncated (warned once, with
     the count); rows left with no loss token (an empty completion) are dropped, also counted."""
     eos = tokenizer.eos_token_id
+    # No token spans more characters than the vocabulary's longest entry, so a string cut to
+    # max_seq_len such tokens (twice over, for merges near the cut) still yields all the
+    # max_seq_len tokens kept: a huge row costs no more than a long one.
+    max_chars = 2 * max_seq_len * _longest_token_chars(tokenizer) + 64
     samples, truncated, dropped = [], 0, 0
     for row in rows:
         if "text" in row and "prompt" not in row:
-            ids = _encode(tokenizer, row["text"], True) + ([eos] if eos is not None else [])
+            ids = _encode(tokenizer, row["text"][:max_chars], True) + ([eos] if eos is not None else [])
             labels = list(ids)
         else:
-            prompt = _encode(tokenizer, row["prompt"], True)
-            completion = _encode(tokenizer, row["completion"], False)
+            prompt = _encode(tokenizer, row["prompt"][:max_chars], True)
+            completion = _encode(tokenizer, row["completion"][:max_chars], False)
             if not completion:
                 dropped += 1
                 continue
@@ -114,6 +155,14 @@ def tokenize_rows(rows: Sequence[dict], tokenizer, max_seq_len: int, field_name:
         raise ConfigError(f"`{field_name}` has no usable row after tokenisation "
                           f"({len(rows)} rows, {dropped} dropped).", field=field_name)
     return samples
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """Characters of the vocabulary's longest entry (64 if the tokenizer has no vocabulary to read)."""
+    try:
+        return max(1, max(len(token) for token in tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError, NotImplementedError):
+        return 64
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:

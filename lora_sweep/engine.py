@@ -14,16 +14,20 @@ loaded once.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import math
 import os
 import re
+import shutil
 import signal
+import socket
 import threading
 import time
 import uuid
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Union
@@ -32,9 +36,9 @@ import torch
 from tqdm.auto import tqdm
 
 from .attention import sliding_window, use_packed_attention
-from .config import ConfigError, JobSpec, TrialConfig, check_against_model
+from .config import ConfigError, JobSpec, TrialConfig, check_against_model, check_trial_id, trial_file_name
 from .data import Sample, SampleStream, collate, load_rows, to_device, tokenize_rows
-from .export import peft_key, save_peft_adapter
+from .export import atomic_write, file_sha256, peft_key, write_peft_adapter
 from .kernels.lm_loss import per_adapter_lm_loss
 from .layers import MultiLoRALinear, SegmentTable
 from .model import fuse_gated_mlps, fuse_rms_norms, inject_multi_lora, linear_layer_names, load_base_model, \
@@ -69,21 +73,81 @@ class Finished:
 
 @dataclass
 class Failed:
-    """The trial was removed without finishing: an invalid config or a non-finite loss or gradient."""
+    """The trial left without finishing: an invalid config, a non-finite loss or gradient, or
+    any error raised on its behalf (its pack-mates carry on). `rejected` is True when the trial
+    never joined (an invalid config, or its trial_id already in the job): then a trial running
+    under that id is not affected."""
 
     trial_id: str
     step: int
     reason: str
+    rejected: bool = False
 
 
 Event = Union[Report, Finished, Failed]
 
-RESULT_FILE = "lora_sweep_result.json"  # beside a finished adapter: its config, last step and metrics
+RESULT_FILE = "lora_sweep_result.json"  # beside a finished adapter: its config, metrics and files' SHA-256
+CHECKPOINT_MAGIC = b"lora_sweep checkpoint sha256 "  # a checkpoint file: this, the payload's hex digest, a
+# newline, then the payload (`torch.save` of the trial's snapshot)
 
 
-def _file_name(trial_id: str) -> str:
-    """A trial id made safe as a file or directory name."""
-    return re.sub(r"[^\w.-]", "_", trial_id)
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation failure: CUDA's, or the CPU allocator's (a RuntimeError
+    from torch, or Python's MemoryError)."""
+    return (isinstance(error, (torch.OutOfMemoryError, MemoryError))
+            or (isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error)))
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _prepare_output_dir(output_dir: str) -> None:
+    """Create `output_dir` and check that files can be written in it, before anything is loaded."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, f".write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"The value of `output_dir` is {output_dir!r}, but must be a directory this process can "
+                          f"create and write to ({_describe(e)}).", field="output_dir") from None
+
+
+class _TrialLock:
+    """An exclusive lock (`filelock`) on one trial's files under output_dir, held while the trial
+    is in a job, so that two jobs never train the same trial id into the same directory. The
+    holder's host and pid sit in a file beside the lock, for the other job's message."""
+
+    def __init__(self, output_dir: str, file_name: str):
+        from filelock import FileLock, Timeout
+
+        directory = os.path.join(output_dir, "locks")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, file_name + ".lock")
+        self._owner = path + ".owner"
+        self._lock = FileLock(path, timeout=0)
+        try:
+            self._lock.acquire()
+        except Timeout:
+            try:
+                with open(self._owner) as f:
+                    holder = json.load(f)
+                who = f"host {holder['host']!r}, pid {holder['pid']}"
+            except (OSError, ValueError, KeyError, TypeError):
+                who = "a holder whose host and pid are not recorded"
+            raise ConfigError(f"output_dir {output_dir!r} is in use for this trial by another job ({who}; lock "
+                              f"{path!r}); give each job its own output_dir or distinct trial ids.",
+                              field="output_dir") from None
+        atomic_write(self._owner, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+
+    def release(self) -> None:
+        try:
+            os.remove(self._owner)
+        except OSError:
+            pass
+        self._lock.release()
 
 
 def _same_config(saved: dict, cfg: TrialConfig) -> bool:
@@ -117,24 +181,38 @@ def with_new_hyperparameters(state: dict, cfg: TrialConfig) -> dict:
     return {**state, "config": wanted}
 
 
+def _json_sha256(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _load_checkpoint(path: str) -> dict:
+    """A checkpoint's snapshot, after checking its SHA-256; raises on any damage."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(CHECKPOINT_MAGIC):
+        raise ValueError("not a lora_sweep checkpoint")
+    digest, _, payload = data[len(CHECKPOINT_MAGIC):].partition(b"\n")
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise ValueError("its contents do not match its checksum")
+    snapshot = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("config"), dict):
+        raise ValueError("it holds no trial state")
+    return snapshot
+
+
 class _DoesNotFit(Exception):
     """A step ran out of memory with a single sample in every microbatch."""
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    """Write-to-temporary, fsync, rename: a kill at any instant leaves the old file or the new one."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+_atomic_write = atomic_write
+
+
+def _remove_path(path: str) -> None:
+    """Delete a file, or a directory standing where a file belongs; a missing one is fine."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 # --------------------------------------------------------------------------- per-trial state
@@ -191,7 +269,8 @@ class PackedJob:
         self.device = resolve_device(spec)
         self.dtype = resolve_dtype(spec, self.device)
         self.adapter_dtype = torch.float32  # adapters train in fp32 on a bf16 base, as PEFT does
-        # rows are checked before the (slow) model load, so bad data fails fast
+        # output_dir and rows are checked before the (slow) model load, so bad settings fail fast
+        _prepare_output_dir(spec.output_dir)
         train_rows = load_rows(spec.train_data, "train_data")
         eval_rows = load_rows(spec.eval_data, "eval_data") if spec.eval_data is not None else []
         self.model, self.tokenizer = load_base_model(spec, self.device, self.dtype)
@@ -204,10 +283,12 @@ class PackedJob:
         self.body, self.lm_head_weight = split_causal_lm(self.model)
         # Microbatch layout. On CUDA samples are packed back to back in one row, no padding
         # waste, with an attention that keeps them apart (attention.packed_attention). On CPU
-        # each sample gets a row padded to max_seq_len: then the backward's reductions over the
-        # sequence run in the same order whoever the pack-mates are (bit-identical isolation).
+        # each sample gets a row padded to the microbatch's longest sample. padding="max_seq_len"
+        # pads every row to max_seq_len: then the backward's reductions over the sequence run in
+        # the same order whoever the pack-mates are (bit-identical isolation), at the cost of
+        # computing the padding.
         padding = spec.padding if spec.padding != "auto" else ("packed" if self.device.type == "cuda"
-                                                               else "max_seq_len")
+                                                               else "longest")
         window = sliding_window(self.model.config)
         if padding == "packed" and window is not None and window < spec.max_seq_len:
             # packed_attention attends over whole samples; the model's own attention keeps the window
@@ -216,6 +297,11 @@ class PackedJob:
                                   f"tokens with max_seq_len={spec.max_seq_len}: use padding='max_seq_len' or "
                                   f"max_seq_len <= {window}.", field="padding")
             padding = "max_seq_len"
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if isinstance(positions, int) and spec.max_seq_len > positions:
+            warnings.warn(f"max_seq_len={spec.max_seq_len} exceeds the model's {positions} positions "
+                          "(max_position_embeddings); samples longer than that go beyond what it was trained on.",
+                          stacklevel=2)
         self.pad_length = spec.max_seq_len if padding == "max_seq_len" else None
         self.packed = padding == "packed"
         if self.packed:
@@ -240,8 +326,9 @@ class PackedJob:
         self.finished: dict[str, str] = {}  # trial_id -> adapter dir
         self.waiting: deque[dict] = deque()  # snapshots of adapters moved out after an OOM
         self.evictions = 0
-        self._pending_add: deque[tuple[Union[TrialConfig, dict], Optional[dict]]] = deque()  # (config, state)
-        self._pending_remove: set[str] = set()
+        # membership changes in the order they were asked: ("add", config, state) or ("remove", trial_id, None)
+        self._pending: deque[tuple[str, Union[TrialConfig, dict, str], Optional[dict]]] = deque()
+        self._trial_locks: dict[str, _TrialLock] = {}  # trial_id -> lock on its files, while it is in the job
         self._events: deque[Event] = deque()
         self._next_id = 0
         self.step_stats: list[dict] = []  # one dict per job step, for the cost model
@@ -261,22 +348,35 @@ class PackedJob:
 
     def add_trial(self, cfg: Union[TrialConfig, dict], state: Optional[dict] = None) -> Optional[str]:
         """Queue a trial (a TrialConfig or a dict of its fields); it joins at the next step.
-        Returns its trial_id. An invalid config becomes a `Failed` event, not an exception,
-        so a bad trial never stops the job. `state` (from `trial_state` or `saved_state`, of
-        the same config under any trial_id) makes it continue exactly where that one was."""
-        if isinstance(cfg, TrialConfig) and cfg.trial_id is None:
-            cfg.trial_id = self._new_id()
+        Returns its trial_id (assigned here if it has none). An invalid config becomes a
+        `Failed` event, not an exception, so a bad trial never stops the job. `state` (from
+        `trial_state` or `saved_state`, of the same config under any trial_id) makes it continue
+        exactly where that one was."""
+        if isinstance(cfg, TrialConfig):
+            if cfg.trial_id is None:
+                cfg.trial_id = self._new_id()
+            tid = cfg.trial_id
+        elif isinstance(cfg, dict):
+            if cfg.get("trial_id") is None:
+                cfg = {**cfg, "trial_id": self._new_id()}
+            try:
+                tid = check_trial_id(cfg["trial_id"])
+            except ConfigError:
+                tid = str(cfg["trial_id"])  # rejected with a Failed event when it is applied
+        else:
+            tid = None
         with self._lock:  # one lock with run()'s start and end: no step can begin in between
-            self._pending_add.append((cfg, state))
+            self._pending.append(("add", cfg, state))
             if not self._running:  # outside run() there is no step to wait for
                 self._apply_membership_locked()
-        return cfg.trial_id if isinstance(cfg, TrialConfig) else (cfg.get("trial_id") or None)
+        return tid
 
     def remove_trial(self, trial_id: str) -> None:
         """Drop a trial at the next step boundary (pruned or stopped by the tuner). Unknown or
-        already finished trials are ignored."""
+        already finished trials are ignored. Removes and adds apply in the order they were
+        asked: removing `x` then adding a new `x` trains the new one."""
         with self._lock:
-            self._pending_remove.add(str(trial_id))
+            self._pending.append(("remove", str(trial_id), None))
             if not self._running:
                 self._apply_membership_locked()
 
@@ -291,64 +391,116 @@ class PackedJob:
             self._apply_membership_locked()
 
     def _apply_membership_locked(self) -> None:
-        removes, adds = set(self._pending_remove), list(self._pending_add)
-        self._pending_remove.clear()
-        self._pending_add.clear()
-        for tid in removes:
-            if tid in self.active:
-                self._drop(tid)
-        for raw, state in adds:
-            if (raw.trial_id if isinstance(raw, TrialConfig) else raw.get("trial_id")) in removes:
+        pending = list(self._pending)
+        self._pending.clear()
+        for op, item, state in pending:
+            if op == "remove":
+                if item in self.active:
+                    self._drop(item, keep_checkpoint=self.spec.keep_checkpoints)
+                elif any(w["config"]["trial_id"] == item for w in self.waiting):  # moved out after an OOM
+                    self.waiting = deque(w for w in self.waiting if w["config"]["trial_id"] != item)
+                    self._release(item, keep_checkpoint=self.spec.keep_checkpoints)
                 continue
+            raw = item
+            raw_id = raw.trial_id if isinstance(raw, TrialConfig) else raw.get("trial_id") if isinstance(raw, dict) \
+                else None
             try:
-                cfg = raw if isinstance(raw, TrialConfig) else TrialConfig.from_dict(
-                    {"trial_id": self._new_id(), **raw} if raw.get("trial_id") is None else raw)
-                if cfg.trial_id in self.active or cfg.trial_id in self.finished:
-                    raise ConfigError(f"Trial {cfg.trial_id!r} is already in this job.", field="trial_id",
-                                      trial_id=cfg.trial_id)
+                if not isinstance(raw, (TrialConfig, dict)):
+                    raise ConfigError(f"A trial must be a TrialConfig or a dict of its fields, got "
+                                      f"{type(raw).__name__}.", field="trial_id")
+                cfg = raw if isinstance(raw, TrialConfig) else TrialConfig.from_dict(raw)
+                if cfg.trial_id in self.active or cfg.trial_id in self.finished or \
+                        any(w["config"]["trial_id"] == cfg.trial_id for w in self.waiting):
+                    raise ConfigError(f"Trial {cfg.trial_id!r} is already in this job; this second trial of that "
+                                      "id is rejected.", field="trial_id", trial_id=cfg.trial_id)
                 check_against_model(cfg, self.spec, self.module_shapes)
-                if state is not None and not _same_config(state["config"], cfg):
+                if state is not None and not (isinstance(state, dict) and isinstance(state.get("config"), dict)
+                                              and _same_config(state["config"], cfg)):
                     raise ConfigError(f"Trial {cfg.trial_id!r}: the `state` given was saved from another "
                                       "config.", field="state", trial_id=cfg.trial_id)
+                if cfg.trial_id not in self._trial_locks:
+                    self._trial_locks[cfg.trial_id] = _TrialLock(self.spec.output_dir, trial_file_name(cfg.trial_id))
             except ConfigError as e:
-                tid = e.trial_id or (raw.trial_id if isinstance(raw, TrialConfig) else raw.get("trial_id"))
+                tid = e.trial_id or raw_id
                 logger.warning("trial %s rejected: %s", tid, e)
-                self._events.append(Failed(str(tid), 0, str(e)))
+                self._events.append(Failed(str(tid), 0, str(e), rejected=True))
                 continue
-            self._join(cfg, state)
+            try:
+                self._join(cfg, state)
+            except Exception as e:  # noqa: BLE001 - whatever a trial's join raises fails that trial alone
+                self._fail_trial(cfg.trial_id, 0, e, during="joining")
 
-    def _join(self, cfg: TrialConfig, state: Optional[dict] = None) -> None:
+    def _fail_trial(self, trial_id: str, step: int, error: BaseException, during: str) -> None:
+        """The per-trial failure boundary: an error raised on behalf of one trial takes that trial
+        out of the job with a `Failed` event; its pack-mates carry on untouched."""
+        logger.warning("trial %s failed while %s: %s", trial_id, during, _describe(error),
+                       exc_info=logger.isEnabledFor(logging.DEBUG))
+        try:
+            if trial_id in self.active:
+                self._drop(trial_id, keep_checkpoint=self.spec.keep_checkpoints)
+            else:
+                self._release(trial_id, keep_checkpoint=self.spec.keep_checkpoints)
+        except Exception as cleanup:  # noqa: BLE001 - the Failed event is what matters
+            logger.warning("trial %s: cleaning up after its failure raised %s", trial_id, _describe(cleanup))
+        self._events.append(Failed(trial_id, step, f"{during}: {_describe(error)}"))
+
+    def _join(self, cfg: TrialConfig, state: Optional[dict] = None, use_checkpoint: bool = True) -> None:
         """Add a trial's adapter to every layer it targets, or resume it: a finished trial
-        (saved result on disk) is reported as finished; one with a `state`, or a checkpoint
-        of its own, continues from there."""
+        (saved result on disk, its adapter files intact) is reported as finished; one with a
+        `state`, or a sound checkpoint of its own, continues from there. A checkpoint that
+        cannot be restored is deleted and the trial starts over, with a warning naming it."""
         result = self._read_result(cfg)
         if result is not None:
             self.finished[cfg.trial_id] = result["adapter_dir"]
+            self._release(cfg.trial_id, keep_checkpoint=True)
             self._events.append(Finished(cfg.trial_id, result["step"], result["metrics"], result["adapter_dir"]))
             return
         key = re.sub(r"\W", "_", cfg.trial_id)
         while any(a.key == key for a in self.active.values()):
             key += "_"
         wanted = set(cfg.target_modules or self.spec.target_modules)
-        generator = torch.Generator(self.device).manual_seed(cfg.seed)  # on the GPU: drawing there is fast
-        modules, params = [], []
-        for name, layer in self.layers.items():
-            if name.rsplit(".", 1)[-1] in wanted:
-                layer.add_adapter(key, cfg.rank, cfg.scaling, cfg.dropout, generator, self.adapter_dtype)
-                modules.append(name)
-                params += [layer.lora_A[key].weight, layer.lora_B[key].weight]
-        self.optimizer.add(cfg.trial_id, params, cfg.learning_rate,
-                           lr_lambda(cfg.lr_scheduler, cfg.warmup_steps, cfg.max_steps),
-                           cfg.weight_decay, cfg.max_grad_norm)
+        try:
+            generator = torch.Generator(self.device).manual_seed(cfg.seed)  # on the GPU: drawing there is fast
+            modules, params = [], []
+            for name, layer in self.layers.items():
+                if name.rsplit(".", 1)[-1] in wanted:
+                    modules.append(name)
+                    layer.add_adapter(key, cfg.rank, cfg.scaling, cfg.dropout, generator, self.adapter_dtype)
+                    params += [layer.lora_A[key].weight, layer.lora_B[key].weight]
+            self.optimizer.add(cfg.trial_id, params, cfg.learning_rate,
+                               lr_lambda(cfg.lr_scheduler, cfg.warmup_steps, cfg.max_steps),
+                               cfg.weight_decay, cfg.max_grad_norm)
+        except BaseException:
+            self._undo_join(cfg.trial_id, key, modules)
+            raise
         adapter = _Adapter(cfg, key, SampleStream(len(self.train_samples), cfg.seed), modules)
         self.active[cfg.trial_id] = adapter
-        state = state if state is not None else self._read_checkpoint(cfg)
+        from_disk = state is None and use_checkpoint
+        state = state if state is not None else self._read_checkpoint(cfg) if use_checkpoint else None
         if state is not None:
-            self._restore(adapter, state)
+            try:
+                self._restore(adapter, state)
+            except Exception as e:  # noqa: BLE001
+                if not from_disk:
+                    raise
+                path = self._checkpoint_path(cfg.trial_id)
+                warnings.warn(f"Trial {cfg.trial_id!r}: its checkpoint {path!r} does not fit its config "
+                              f"({_describe(e)}); it is deleted and the trial starts over.", stacklevel=2)
+                self._detach(cfg.trial_id)
+                _remove_path(path)
+                self._join(cfg, None, use_checkpoint=False)
+                return
             logger.info("trial %s resumed at step %d", cfg.trial_id, adapter.step)
         if self._bar is not None:
             self._bar.total += cfg.max_steps - adapter.step
             self._bar.refresh()
+
+    def _undo_join(self, trial_id: str, key: str, modules: list[str]) -> None:
+        """Take out whatever a failed join had added, so the job is as before it."""
+        for name in modules:
+            self.layers[name].delete_adapter(key)  # ignores a layer it never reached
+        if trial_id in self.optimizer.adapters:
+            self.optimizer.remove(trial_id)
 
     def _detach(self, trial_id: str) -> None:
         """Take a trial's adapter out of every layer and the optimizer."""
@@ -357,12 +509,29 @@ class PackedJob:
             self.layers[name].delete_adapter(adapter.key)
         self.optimizer.remove(trial_id)
 
-    def _drop(self, trial_id: str) -> None:
-        """A trial leaves for good (finished, failed, removed); a waiting one takes its room."""
+    def _release(self, trial_id: str, keep_checkpoint: bool) -> None:
+        """A trial is out of the job: unlock its files and, unless kept, delete its checkpoint."""
+        if not keep_checkpoint:
+            try:
+                _remove_path(self._checkpoint_path(trial_id))
+            except OSError as e:
+                logger.warning("trial %s: could not delete its checkpoint: %s", trial_id, _describe(e))
+        lock = self._trial_locks.pop(trial_id, None)
+        if lock is not None:
+            lock.release()
+
+    def _drop(self, trial_id: str, keep_checkpoint: bool = False) -> None:
+        """A trial leaves for good (finished, failed, removed); a waiting one takes its room.
+        Its checkpoint is deleted unless `keep_checkpoint`."""
         self._detach(trial_id)
+        self._release(trial_id, keep_checkpoint)
         if self.waiting:  # memory was freed: an adapter moved out after an OOM comes back
             snapshot = self.waiting.popleft()
-            self._join(TrialConfig.from_dict(snapshot["config"]), snapshot)
+            cfg = TrialConfig.from_dict(snapshot["config"])
+            try:
+                self._join(cfg, snapshot)
+            except Exception as e:  # noqa: BLE001
+                self._fail_trial(cfg.trial_id, snapshot["counters"]["step"], e, during="rejoining after an eviction")
 
     # ------------------------------------------------------------------ the step loop
 
@@ -384,7 +553,7 @@ class PackedJob:
                     signal.signal(signal.SIGTERM, previous)
                     os.kill(os.getpid(), signal.SIGTERM)
                 with self._lock:  # leave only if no trial was added since the membership update
-                    if not self.active and not self._pending_add:
+                    if not self.active and not self._pending:
                         self._running = False
                         return
                 if not self.active:
@@ -473,7 +642,7 @@ class PackedJob:
             a.window_losses.append(v)
         for tid, reason in bad.items():
             step = self.active[tid].step
-            self._drop(tid)
+            self._drop(tid, keep_checkpoint=self.spec.keep_checkpoints)
             self._events.append(Failed(tid, step, reason))
         self._after_optimizer_step(ok)
 
@@ -492,7 +661,9 @@ class PackedJob:
             try:
                 sums, grads = self._run_microbatches(adapters, plan, counts, accum)
                 break
-            except torch.OutOfMemoryError:
+            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                if not _out_of_memory(e):
+                    raise
                 self.segments.clear()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -603,33 +774,69 @@ class PackedJob:
             if a.step % self.spec.eval_every == 0 or a.step >= a.cfg.max_steps:
                 to_eval.append(a)
             elif self.spec.checkpoint_every and a.step % self.spec.checkpoint_every == 0:
-                self._write_checkpoint(a)
+                self._guarded(a, "writing its checkpoint", self._write_checkpoint, a)
+        to_eval = [a for a in to_eval if a.trial_id in self.active]
         if to_eval:
-            eval_losses = self.evaluate([a.trial_id for a in to_eval]) if self.eval_samples else {}
+            eval_losses = self._evaluate_each_alone_on_error(to_eval) if self.eval_samples else {}
             for a in to_eval:
-                metrics = {"train_loss": sum(a.report_losses) / len(a.report_losses),
-                           "tokens_per_second": a.tokens / max(a.seconds, 1e-9),
-                           "learning_rate": self.optimizer.adapters[a.trial_id].current_lr,
-                           "step": a.step}
-                a.report_losses.clear()
-                if a.trial_id in eval_losses:
-                    metrics["eval_loss"] = eval_losses[a.trial_id]
-                self._events.append(Report(a.trial_id, a.step, metrics))
-                if a.step >= a.cfg.max_steps:
-                    self._finish(a, metrics)
-                elif self.spec.checkpoint_every and a.step % self.spec.checkpoint_every == 0:
-                    self._write_checkpoint(a)
+                if a.trial_id not in self.active:
+                    continue
+                self._guarded(a, "reporting or saving", self._report, a, eval_losses)
         self._update_bar()
 
+    def _guarded(self, a: _Adapter, during: str, fn, *args) -> None:
+        """Run `fn(*args)` on behalf of trial `a`: an error fails that trial alone."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - the per-trial failure boundary
+            self._fail_trial(a.trial_id, a.step, e, during)
+
+    def _report(self, a: _Adapter, eval_losses: dict[str, float]) -> None:
+        metrics = {"train_loss": sum(a.report_losses) / len(a.report_losses),
+                   "tokens_per_second": a.tokens / max(a.seconds, 1e-9),
+                   "learning_rate": self.optimizer.adapters[a.trial_id].current_lr,
+                   "step": a.step}
+        a.report_losses.clear()
+        if a.trial_id in eval_losses:
+            metrics["eval_loss"] = eval_losses[a.trial_id]
+        if a.step >= a.cfg.max_steps:
+            self._finish(a, metrics)  # its Report goes out with the Finished, once the adapter is saved
+        else:
+            self._events.append(Report(a.trial_id, a.step, metrics))
+            if self.spec.checkpoint_every and a.step % self.spec.checkpoint_every == 0:
+                self._write_checkpoint(a)
+
+    def _evaluate_each_alone_on_error(self, adapters: list[_Adapter]) -> dict[str, float]:
+        """`evaluate` for all of `adapters` at once; if that raises, each alone, so that an error
+        fails only the trial it came from."""
+        try:
+            return self.evaluate([a.trial_id for a in adapters])
+        except Exception:  # noqa: BLE001
+            if len(adapters) == 1:
+                raise
+        losses = {}
+        for a in adapters:
+            try:
+                losses.update(self.evaluate([a.trial_id]))
+            except Exception as e:  # noqa: BLE001
+                self._fail_trial(a.trial_id, a.step, e, "evaluating")
+        return losses
+
     def _finish(self, a: _Adapter, metrics: dict) -> None:
-        path = self.save_adapter(a.trial_id, self._adapter_dir(a.trial_id))
-        _atomic_write(os.path.join(path, RESULT_FILE), json.dumps(
-            {"config": a.cfg.to_dict(), "step": a.step, "metrics": metrics, "adapter_dir": path}).encode())
+        """Save the adapter, then its result file (the files' SHA-256 in it), both atomically;
+        only then is the trial finished. Non-finite weights fail it instead."""
+        params = self.optimizer.adapters[a.trial_id].params
+        if not all(bool(torch.isfinite(p).all()) for p in params):
+            raise FloatingPointError(f"non-finite adapter weights after step {a.step}")
+        path = self._adapter_dir(a.trial_id)
+        checksums = self._write_adapter(a, path)
+        result = {"config": a.cfg.to_dict(), "step": a.step, "metrics": metrics, "adapter_dir": path,
+                  "sha256": checksums}
+        atomic_write(os.path.join(path, RESULT_FILE), json.dumps(
+            {**result, "result_sha256": _json_sha256(result)}).encode())
         self.finished[a.trial_id] = path
         self._drop(a.trial_id)
-        checkpoint = self._checkpoint_path(a.trial_id)
-        if os.path.exists(checkpoint):
-            os.remove(checkpoint)
+        self._events.append(Report(a.trial_id, a.step, metrics))
         self._events.append(Finished(a.trial_id, a.step, metrics, path))
 
     def _record_stats(self, adapters, groups, plan, seconds) -> None:
@@ -689,10 +896,10 @@ class PackedJob:
     # ------------------------------------------------------------------ saving
 
     def _adapter_dir(self, trial_id: str) -> str:
-        return os.path.join(self.spec.output_dir, "adapters", _file_name(trial_id))
+        return os.path.join(self.spec.output_dir, "adapters", trial_file_name(trial_id))
 
     def _checkpoint_path(self, trial_id: str) -> str:
-        return os.path.join(self.spec.output_dir, "checkpoints", _file_name(trial_id) + ".pt")
+        return os.path.join(self.spec.output_dir, "checkpoints", trial_file_name(trial_id) + ".pt")
 
     def _snapshot(self, a: _Adapter) -> dict:
         """Everything an adapter needs to continue exactly: weights, AdamW moments, data cursor
@@ -727,37 +934,75 @@ class PackedJob:
         return self._snapshot(self.active[trial_id])
 
     def saved_state(self, trial_id: str) -> Optional[dict]:
-        """The state of `trial_id`'s last checkpoint in this job's output_dir, if it has one."""
+        """The state of `trial_id`'s last checkpoint in this job's output_dir, if it has a sound
+        one (a damaged checkpoint gives None, with a warning naming it)."""
         path = self._checkpoint_path(trial_id)
-        return torch.load(path, map_location="cpu", weights_only=True) if os.path.exists(path) else None
+        if not os.path.lexists(path):
+            return None
+        try:
+            return _load_checkpoint(path)
+        except Exception as e:  # noqa: BLE001 - any damage: truncated, garbled, foreign, a directory
+            warnings.warn(f"Trial {trial_id!r}: its checkpoint {path!r} is damaged ({_describe(e)}); it is "
+                          "ignored and the trial starts over.", stacklevel=2)
+            return None
 
     def _write_checkpoint(self, a: _Adapter) -> None:
         buffer = io.BytesIO()
         torch.save(self._snapshot(a), buffer)
-        _atomic_write(self._checkpoint_path(a.trial_id), buffer.getvalue())
+        payload = buffer.getvalue()
+        path = self._checkpoint_path(a.trial_id)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)  # a directory where the file belongs would block the rename
+        atomic_write(path, [CHECKPOINT_MAGIC, hashlib.sha256(payload).hexdigest().encode(), b"\n", payload])
 
     def _checkpoint_all(self) -> None:
         """Checkpoint every adapter between accumulation windows (the others keep their last one)."""
-        for a in self.active.values():
+        for a in list(self.active.values()):
             if a.micro_steps % a.cfg.gradient_accumulation_steps == 0:
-                self._write_checkpoint(a)
+                self._guarded(a, "writing its checkpoint", self._write_checkpoint, a)
 
     def _read_checkpoint(self, cfg: TrialConfig) -> Optional[dict]:
-        """The trial's own checkpoint, if checkpointing is on and one exists for this very config."""
-        snapshot = self.saved_state(cfg.trial_id) if self.spec.checkpoint_every is not None else None
-        if snapshot is not None and snapshot["config"] != cfg.to_dict():
+        """The trial's own checkpoint, if checkpointing is on and a sound one exists for this very
+        config. A damaged one is deleted (warned, naming the trial): the trial starts over."""
+        if self.spec.checkpoint_every is None:
+            return None
+        path = self._checkpoint_path(cfg.trial_id)
+        snapshot = self.saved_state(cfg.trial_id)
+        if snapshot is None:
+            if os.path.lexists(path):
+                _remove_path(path)
+            return None
+        if not isinstance(snapshot, dict) or snapshot.get("config") != cfg.to_dict():
             logger.warning("ignoring the checkpoint of trial %s: it belongs to another config", cfg.trial_id)
             return None
         return snapshot
 
     def _read_result(self, cfg: TrialConfig) -> Optional[dict]:
-        """A finished trial's saved result, if checkpointing is on and it is this very config."""
-        path = os.path.join(self._adapter_dir(cfg.trial_id), RESULT_FILE)
-        if self.spec.checkpoint_every is None or not os.path.exists(path):
+        """A finished trial's saved result, if checkpointing is on, it is this very config and its
+        adapter files match their recorded SHA-256. A damaged result or adapter is warned about
+        (naming the trial) and the trial is trained again."""
+        directory = self._adapter_dir(cfg.trial_id)
+        path = os.path.join(directory, RESULT_FILE)
+        if self.spec.checkpoint_every is None or not os.path.lexists(path):
             return None
-        with open(path) as f:
-            result = json.load(f)
-        return result if result["config"] == cfg.to_dict() else None
+        try:
+            with open(path, "rb") as f:
+                result = json.loads(f.read().decode("utf-8"))
+            recorded = result.pop("result_sha256")
+            if recorded != _json_sha256(result):
+                raise ValueError("the result file does not match its checksum")
+            if result["config"] != cfg.to_dict():
+                return None
+            for name, digest in result["sha256"].items():
+                if file_sha256(os.path.join(directory, name)) != digest:
+                    raise ValueError(f"{name} does not match its checksum")
+            result["adapter_dir"] = directory
+            return result
+        except Exception as e:  # noqa: BLE001 - any damage: truncated, garbled, missing files, a directory
+            warnings.warn(f"Trial {cfg.trial_id!r}: its finished adapter in {directory!r} is damaged or incomplete "
+                          f"({_describe(e)}); the trial is trained again.", stacklevel=2)
+            _remove_path(path)
+            return None
 
     def save_adapter(self, trial_id: str, path: str) -> str:
         """Save an active trial's adapter in PEFT format; a finished trial's saved directory
@@ -769,11 +1014,15 @@ class PackedJob:
                     shutil.copytree(self.finished[trial_id], path, dirs_exist_ok=True)
                 return path
             raise KeyError(f"Trial {trial_id!r} is not in this job.")
-        a = self.active[trial_id]
+        self._write_adapter(self.active[trial_id], path)
+        return path
+
+    def _write_adapter(self, a: _Adapter, path: str) -> dict[str, str]:
+        """Save `a` in PEFT format at `path`; returns each file's SHA-256."""
         weights = {}
         for name in a.modules:
             layer: MultiLoRALinear = self.layers[name]
             weights[peft_key(name, "lora_A")] = layer.lora_A[a.key].weight
             weights[peft_key(name, "lora_B")] = layer.lora_B[a.key].weight
         wanted = list(a.cfg.target_modules or [m for m in self.spec.target_modules if m in self.module_shapes])
-        return save_peft_adapter(path, a.cfg, weights, wanted, self.spec.model_name)
+        return write_peft_adapter(path, a.cfg, weights, wanted, self.spec.model_name)

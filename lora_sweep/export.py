@@ -1,11 +1,17 @@
 """Save one adapter as a PEFT LoRA directory: `adapter_config.json` and
-`adapter_model.safetensors` with PEFT's key names, loadable by `PeftModel.from_pretrained`."""
+`adapter_model.safetensors` with PEFT's key names, loadable by `PeftModel.from_pretrained`.
+
+Every file is written atomically (`atomic_write`: a temporary file, fsync, rename), so a
+kill at any instant leaves the old file or the new one, never half of one."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
+import tempfile
+from typing import Iterable, Union
 
 import torch
 
@@ -20,9 +26,53 @@ def peft_key(module_name: str, which: str) -> str:
     return f"base_model.model.{module_name}.{which}.weight"
 
 
+def atomic_write(path: str, data: Union[bytes, Iterable[bytes]]) -> str:
+    """Write `data` (bytes, or chunks of them) to `path` through a temporary file beside it,
+    fsync and rename, then fsync the directory: a kill at any instant leaves the old file or
+    the new one. Returns the SHA-256 of what was written, in hex."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path)[:64] + ".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                f.write(chunk)
+                digest.update(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return digest.hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    """SHA-256 of a file's bytes, in hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def save_peft_adapter(path: str, cfg: TrialConfig, weights: dict[str, torch.Tensor],
                       target_modules: list[str], base_model_name: str) -> str:
     """Write `weights` (PEFT key -> tensor) and a LoraConfig of `cfg` to `path`; returns `path`."""
+    write_peft_adapter(path, cfg, weights, target_modules, base_model_name)
+    return path
+
+
+def write_peft_adapter(path: str, cfg: TrialConfig, weights: dict[str, torch.Tensor],
+                       target_modules: list[str], base_model_name: str) -> dict[str, str]:
+    """`save_peft_adapter`, returning the SHA-256 of each file written (file name -> hex digest)."""
     from peft import LoraConfig
 
     os.makedirs(path, exist_ok=True)
@@ -36,12 +86,18 @@ def save_peft_adapter(path: str, cfg: TrialConfig, weights: dict[str, torch.Tens
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model_name,
     )
-    config.save_pretrained(path)
-    write_safetensors(os.path.join(path, "adapter_model.safetensors"), weights, metadata={"format": "pt"})
-    return path
+    with tempfile.TemporaryDirectory(prefix=".staging-", dir=path) as staging:  # PEFT writes the config; it moves atomically
+        config.save_pretrained(staging)
+        with open(os.path.join(staging, "adapter_config.json"), "rb") as f:
+            config_bytes = f.read()
+    return {
+        "adapter_model.safetensors": write_safetensors(os.path.join(path, "adapter_model.safetensors"), weights,
+                                                       metadata={"format": "pt"}),
+        "adapter_config.json": atomic_write(os.path.join(path, "adapter_config.json"), config_bytes),
+    }
 
 
-def write_safetensors(file: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def write_safetensors(file: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     """Write `tensors` (all of one dtype, on any device) as one safetensors file.
 
     An adapter is a few hundred small tensors: copied to the host one by one (as
@@ -50,7 +106,7 @@ def write_safetensors(file: str, tensors: dict[str, torch.Tensor], metadata: dic
     gathered on their device and cross once, into pinned memory (torch caches it between
     calls; one copy into fresh pageable memory still ran at about 1.8 GB/s). The file is the
     format's header (JSON of dtype, shape and byte range per name, padded to 8 bytes)
-    followed by the bytes in that order."""
+    followed by the bytes in that order, written atomically; returns its SHA-256."""
     names = list(tensors)
     dtypes = {tensors[n].dtype for n in names}
     if len(dtypes) > 1 or not dtypes <= set(SAFETENSORS_DTYPES):
@@ -66,7 +122,4 @@ def write_safetensors(file: str, tensors: dict[str, torch.Tensor], metadata: dic
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        f.write(memoryview(data))
+    return atomic_write(file, [struct.pack("<Q", len(encoded)), encoded, memoryview(data)])

@@ -127,7 +127,7 @@ def test_saved_adapter_loads_in_peft_with_the_same_logits(tiny_qwen_dir, toy_dat
 
 def test_trial_joining_at_step_5_trains_as_if_alone(tiny_llama_dir, toy_data, tmp_path):
     late = trial("late", rank=8, batch_size=3, learning_rate=3e-3)
-    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "packed", eval_every=5),
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "packed", eval_every=5, padding="max_seq_len"),
                     [trial("a"), trial("b", batch_size=1)], progress=False)
     joined_at = None
     for event in job.run():
@@ -136,7 +136,7 @@ def test_trial_joining_at_step_5_trains_as_if_alone(tiny_llama_dir, toy_data, tm
             joined_at = len(job.step_stats)
     assert joined_at == 5 and "late" in job.finished
 
-    alone = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "alone", eval_every=5),
+    alone = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "alone", eval_every=5, padding="max_seq_len"),
                       [trial("late", rank=8, batch_size=3, learning_rate=3e-3)], progress=False)
     run_packed(alone)
     assert_bit_identical(finals(job, ["late"])["late"], finals(alone, ["late"])["late"])
@@ -144,7 +144,7 @@ def test_trial_joining_at_step_5_trains_as_if_alone(tiny_llama_dir, toy_data, tm
 
 def test_removing_a_trial_leaves_the_others_unchanged(tiny_llama_dir, toy_data, tmp_path):
     def run(remove: bool):
-        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(remove), eval_every=1),
+        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(remove), eval_every=1, padding="max_seq_len"),
                         [trial("a"), trial("gone", rank=16, batch_size=4), trial("c", batch_size=1)], progress=False)
         events = []
         for event in job.run():
@@ -168,13 +168,13 @@ def test_diverging_adapter_fails_alone_and_pack_mates_are_bit_identical(tiny_lla
     mates = [trial("a"), trial("c", rank=8, batch_size=3)]
     bomb = trial("bomb", learning_rate=1e30, max_grad_norm=None)
 
-    with_bomb = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "with"), mates + [bomb], progress=False)
+    with_bomb = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "with", padding="max_seq_len"), mates + [bomb], progress=False)
     events = list(with_bomb.run())
     failed = [e for e in events if isinstance(e, Failed)]
     assert [e.trial_id for e in failed] == ["bomb"] and "non-finite" in failed[0].reason
     assert {e.trial_id for e in events if isinstance(e, Finished)} == {"a", "c"}
 
-    without = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "without"),
+    without = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "without", padding="max_seq_len"),
                         [trial("a"), trial("c", rank=8, batch_size=3)], progress=False)
     ref_events = list(without.run())
     got, want = finals(with_bomb, ["a", "c"]), finals(without, ["a", "c"])

@@ -40,7 +40,7 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 def make_spec(model_dir, train, dev, output_dir, **kw):
     return ls.JobSpec(base_model=str(model_dir), train_data=train, eval_data=dev, max_seq_len=32,
-                      output_dir=str(output_dir), **{"eval_every": 1, **kw})
+                      output_dir=str(output_dir), **{"eval_every": 1, "padding": "max_seq_len", **kw})
 
 
 @pytest.fixture
@@ -542,7 +542,8 @@ def worker_main(args: dict) -> None:
                                 sampler=optuna.samplers.TPESampler(constant_liar=True))
     spec = ls.JobSpec(base_model=args["model"], train_data=os.path.join(args["data"], "train.jsonl"),
                       eval_data=os.path.join(args["data"], "eval.jsonl"), max_seq_len=32, eval_every=1,
-                      output_dir=args["output"], checkpoint_every=args.get("checkpoint_every"))
+                      output_dir=args["output"], checkpoint_every=args.get("checkpoint_every"),
+                      padding="max_seq_len")
     sampler = PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": args["max_steps"], "batch_size": 2},
                                 max_concurrent=2, heartbeat_interval=1.0)
 

@@ -85,3 +85,12 @@ def test_subcommands():
     assert info.value.code == 0
     with pytest.raises(SystemExit):
         main(["plan"])  # the sweep file is required
+
+
+def test_the_tiny_example_sweep_plans_six_trials(tmp_path, capsys):
+    tiny = os.path.join(os.path.dirname(EXAMPLE), "sweep_tiny.yaml")
+    trials = sweep_trials(read_sweep(tiny))
+    assert len(trials) == 6 and {t.rank for t in trials} <= {4, 8, 16}
+    assert main(["plan", tiny, "--gantt", str(tmp_path / "plan.png")]) == 0
+    summary = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("6 trials in"))
+    assert "0 failed" in summary

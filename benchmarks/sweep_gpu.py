@@ -6,9 +6,9 @@ downloaded), samples of varying length, one GPU. Sections (pick with --sections)
 * throughput  packed jobs of 1..32 adapters vs one adapter alone with PEFT: tokens/s,
               the ratio, and MFU against the bf16 peak measured in the same run
 * kernels     the packed job with the Triton kernels vs the torch path (LORA_SWEEP_KERNELS=torch),
-              and how much of a step each keeps the GPU busy; the kernels also with the Triton
-              GEMM in eager calls instead of the Gluon one (on Hopper), in turn with the default
-* host        where a packed step's time goes (Llama-shaped model of --kernels-model, kernels):
+              and how much of a step each keeps the GPU busy (--kernels-model, --kernels-seq,
+              --kernels-adapters)
+* host        where a packed step's time goes (the same job, kernels):
               wall time, the host's time to enqueue the forward + loss and the backward,
               Triton launches and synchronisations per step, the GPU's time
 * makespan    120 configs of PLoRA's Table 1 space: the planner's predicted makespan for
@@ -686,7 +686,9 @@ def main():
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--kernels-model", default="qwen2.5-7b")
+    parser.add_argument("--kernels-model", default="qwen2.5-7b", help="the kernels and host sections' model")
+    parser.add_argument("--kernels-seq", type=int, default=1024, help="their sequence length")
+    parser.add_argument("--kernels-adapters", type=int, default=16, help="their adapters")
     parser.add_argument("--out", default="benchmarks/results/sweep_gpu.json")
     parser.add_argument("--profile", default="", help="model,seq,adapters,batch of a packed step to profile")
     parser.add_argument("--sweep-steps", type=int, default=30, help="steps of every config in makespan/overhead")
@@ -744,10 +746,12 @@ def main():
                                           [int(b) for b in args.batches.split(",")], peak, args.warmup, args.steps, log)
         save()
     if "kernels" in sections:
-        result["kernels"] = kernels(args.kernels_model, 1024, 16, peak, args.warmup, args.steps, log)
+        result["kernels"] = kernels(args.kernels_model, args.kernels_seq, args.kernels_adapters, peak, args.warmup,
+                                    args.steps, log)
         save()
     if "host" in sections:
-        result["host"] = step_host(args.kernels_model, 1024, 16, args.warmup, args.steps, log)
+        result["host"] = step_host(args.kernels_model, args.kernels_seq, args.kernels_adapters, args.warmup, args.steps,
+                                   log)
         save()
     if "makespan" in sections:
         result["makespan"] = makespan(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log,

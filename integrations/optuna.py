@@ -542,9 +542,9 @@ class _JobFeeder:
                         if self.sweep.aborted.is_set():
                             return
             except torch.cuda.OutOfMemoryError as err:
-                # On OOM the engine shrinks its microbatches, then moves the newest adapters out
-                # until others leave; what still escapes it is a trial that does not fit alone.
-                # It fails, and the others go on.
+                # The engine shrinks its microbatches, moves the newest adapters out and fails a
+                # trial that does not fit alone; an out-of-memory error that still escapes it
+                # fails the newest trial, and the others go on.
                 active = [tid for tid in self.in_flight if tid in self.job.trials]
                 if not active:
                     raise

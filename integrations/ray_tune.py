@@ -562,21 +562,22 @@ class _LeaveWhenTuneIsDone(tune.Callback):
 
 
 def _store_results(trial) -> None:
-    """Copy the trial's result.json and progress.csv from the driver to its storage folder."""
-    import pyarrow.fs
-    from ray.tune.result import EXPR_PROGRESS_FILE, EXPR_RESULT_FILE
+    """Copy the trial's result.json and progress.csv from the driver to its storage folder; a
+    failure is a warning (Tune's own sync then is all there is), never the run's error."""
+    try:
+        import pyarrow.fs
+        from ray.tune.result import EXPR_PROGRESS_FILE, EXPR_RESULT_FILE
 
-    filesystem = trial.storage.storage_filesystem
-    for name in (EXPR_RESULT_FILE, EXPR_PROGRESS_FILE):
-        local, stored = os.path.join(trial.local_path, name), f"{trial.path}/{name}"
-        if not os.path.exists(local):
-            continue
-        if isinstance(filesystem, pyarrow.fs.LocalFileSystem) and os.path.abspath(stored) == os.path.abspath(local):
-            continue  # the driver writes to the storage itself
-        try:
+        filesystem = trial.storage.storage_filesystem
+        for name in (EXPR_RESULT_FILE, EXPR_PROGRESS_FILE):
+            local, stored = os.path.join(trial.local_path, name), f"{trial.path}/{name}"
+            if not os.path.exists(local):
+                continue
+            if isinstance(filesystem, pyarrow.fs.LocalFileSystem) and os.path.abspath(stored) == os.path.abspath(local):
+                continue  # the driver writes to the storage itself
             pyarrow.fs.copy_files(local, stored, destination_filesystem=filesystem)
-        except Exception as e:  # noqa: BLE001 - then Tune's own sync is all there is
-            logger.warning("could not store %s of paused trial %s: %r", name, trial.trial_id, e)
+    except Exception as e:  # noqa: BLE001 - a best-effort copy inside a Tune callback
+        logger.warning("could not store the results of paused trial %s: %r", getattr(trial, "trial_id", "?"), e)
 
 
 def _named_actor(name: str):

@@ -86,7 +86,7 @@ def beside_programs(meta: LoRABatchMeta, n_cols: int, forward: bool) -> int:
     loop of the GEMM, which is when the GEMM's first tiles wait for S (or dS).
 
     Each of them streams its share of the (tile, rank block) items, a block of block_m rows
-    of x (dY) and one of block_r adapter rows per K step, at about 90 GB/s on an H200; one
+    of x (dY) and one of block_r adapter rows per K step, at what one SM can stream; one
     tile's K loop of the GEMM reads K columns too, at one SM's share of the matmul rate. So
     whatever K, the items per program times (block_m + block_r) must stay within a budget:
     `BESIDE_ROWS` for S, about the break-even, and `BESIDE_ROWS_DS` for dS, lower since

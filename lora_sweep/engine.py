@@ -120,16 +120,19 @@ class _TrialLock:
     is in a job, so that two jobs never train the same trial id into the same directory. The
     holder's host and pid sit in a file beside the lock, for the other job's message."""
 
-    def __init__(self, output_dir: str, file_name: str):
+    def __init__(self, output_dir: str, trial_id: str):
         from filelock import FileLock, Timeout
 
         directory = os.path.join(output_dir, "locks")
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, file_name + ".lock")
+        path = os.path.join(directory, trial_file_name(trial_id) + ".lock")
         self._owner = path + ".owner"
-        self._lock = FileLock(path, timeout=0)
         try:
+            os.makedirs(directory, exist_ok=True)
+            self._lock = FileLock(path, timeout=0)
             self._lock.acquire()
+        except OSError as e:
+            raise ConfigError(f"Trial {trial_id!r}: cannot lock its files in output_dir {output_dir!r}: {e}",
+                              field="output_dir", trial_id=trial_id) from None
         except Timeout:
             try:
                 with open(self._owner) as f:
@@ -137,10 +140,15 @@ class _TrialLock:
                 who = f"host {holder['host']!r}, pid {holder['pid']}"
             except (OSError, ValueError, KeyError, TypeError):
                 who = "a holder whose host and pid are not recorded"
-            raise ConfigError(f"output_dir {output_dir!r} is in use for this trial by another job ({who}; lock "
-                              f"{path!r}); give each job its own output_dir or distinct trial ids.",
-                              field="output_dir") from None
-        atomic_write(self._owner, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+            raise ConfigError(f"Trial {trial_id!r}: output_dir {output_dir!r} is in use for this trial by another "
+                              f"job ({who}; lock {path!r}); give each job its own output_dir or distinct trial ids.",
+                              field="output_dir", trial_id=trial_id) from None
+        try:
+            atomic_write(self._owner, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+        except OSError as e:
+            self._lock.release()
+            raise ConfigError(f"Trial {trial_id!r}: cannot write its lock's owner file in output_dir "
+                              f"{output_dir!r}: {e}", field="output_dir", trial_id=trial_id) from None
 
     def release(self) -> None:
         try:
@@ -419,7 +427,7 @@ class PackedJob:
                     raise ConfigError(f"Trial {cfg.trial_id!r}: the `state` given was saved from another "
                                       "config.", field="state", trial_id=cfg.trial_id)
                 if cfg.trial_id not in self._trial_locks:
-                    self._trial_locks[cfg.trial_id] = _TrialLock(self.spec.output_dir, trial_file_name(cfg.trial_id))
+                    self._trial_locks[cfg.trial_id] = _TrialLock(self.spec.output_dir, cfg.trial_id)
             except ConfigError as e:
                 tid = e.trial_id or raw_id
                 logger.warning("trial %s rejected: %s", tid, e)
@@ -459,9 +467,9 @@ class PackedJob:
         while any(a.key == key for a in self.active.values()):
             key += "_"
         wanted = set(cfg.target_modules or self.spec.target_modules)
+        modules, params = [], []
         try:
             generator = torch.Generator(self.device).manual_seed(cfg.seed)  # on the GPU: drawing there is fast
-            modules, params = [], []
             for name, layer in self.layers.items():
                 if name.rsplit(".", 1)[-1] in wanted:
                     modules.append(name)
@@ -564,8 +572,16 @@ class PackedJob:
             self._running = False
             self._bar.close()
             self._bar = None
+            if self.active or self._pending:  # stopped early (an error, Ctrl-C, the caller): another job may go on
+                self.release_locks()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+
+    def release_locks(self) -> None:
+        """Unlock the files of every trial still in the job, so that another job (in this process
+        too) may train them; `run()` does this when it stops before its trials are done."""
+        for trial_id in list(self._trial_locks):
+            self._trial_locks.pop(trial_id).release()
 
     def step(self) -> list[Event]:
         """One job step without `run()`: apply pending joins and leaves, train every active
@@ -753,7 +769,7 @@ class PackedJob:
 
     def _evict(self, adapter: _Adapter) -> None:
         if len(self.active) == 1:  # nothing left to make room: this trial alone cannot fit
-            self._drop(adapter.trial_id)
+            self._drop(adapter.trial_id, keep_checkpoint=self.spec.keep_checkpoints)
             self._events.append(Failed(adapter.trial_id, adapter.step, f"out of memory: trial {adapter.trial_id!r} "
                                        "does not fit even alone with one sample per microbatch"))
             return
@@ -809,11 +825,11 @@ class PackedJob:
     def _evaluate_each_alone_on_error(self, adapters: list[_Adapter]) -> dict[str, float]:
         """`evaluate` for all of `adapters` at once; if that raises, each alone, so that an error
         fails only the trial it came from."""
-        try:
-            return self.evaluate([a.trial_id for a in adapters])
-        except Exception:  # noqa: BLE001
-            if len(adapters) == 1:
-                raise
+        if len(adapters) > 1:
+            try:
+                return self.evaluate([a.trial_id for a in adapters])
+            except Exception:  # noqa: BLE001 - retried adapter by adapter below
+                pass
         losses = {}
         for a in adapters:
             try:

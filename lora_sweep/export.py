@@ -63,16 +63,10 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def save_peft_adapter(path: str, cfg: TrialConfig, weights: dict[str, torch.Tensor],
-                      target_modules: list[str], base_model_name: str) -> str:
-    """Write `weights` (PEFT key -> tensor) and a LoraConfig of `cfg` to `path`; returns `path`."""
-    write_peft_adapter(path, cfg, weights, target_modules, base_model_name)
-    return path
-
-
 def write_peft_adapter(path: str, cfg: TrialConfig, weights: dict[str, torch.Tensor],
                        target_modules: list[str], base_model_name: str) -> dict[str, str]:
-    """`save_peft_adapter`, returning the SHA-256 of each file written (file name -> hex digest)."""
+    """Write `weights` (PEFT key -> tensor) and a LoraConfig of `cfg` to `path`, each file
+    atomically; returns the SHA-256 of each file written (file name -> hex digest)."""
     from peft import LoraConfig
 
     os.makedirs(path, exist_ok=True)
@@ -101,10 +95,10 @@ def write_safetensors(file: str, tensors: dict[str, torch.Tensor], metadata: dic
     """Write `tensors` (all of one dtype, on any device) as one safetensors file.
 
     An adapter is a few hundred small tensors: copied to the host one by one (as
-    `safetensors.torch.save_file` needs), each copy waits for the device, and a 16-adapter
-    pack of mean rank 60 on a 1B model spent about 1.4 s in them on an H200. Here they are
-    gathered on their device and cross once, into pinned memory (torch caches it between
-    calls; one copy into fresh pageable memory still ran at about 1.8 GB/s). The file is the
+    `safetensors.torch.save_file` needs), each copy waits for the device, and a pack of 16
+    adapters adds that up to seconds. Here they are gathered on their device and cross once,
+    into pinned memory (torch caches it between calls; a copy into fresh pageable memory is
+    several times slower). The file is the
     format's header (JSON of dtype, shape and byte range per name, padded to 8 bytes)
     followed by the bytes in that order, written atomically; returns its SHA-256."""
     names = list(tensors)

@@ -441,3 +441,35 @@ def test_optuna_with_numpy_values_and_a_300_character_study_name(tiny_llama_dir,
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2
     for t in study.trials:
         assert os.path.isdir(t.user_attrs["adapter_dir"])
+
+
+def test_an_evaluation_error_fails_its_trial_alone_even_when_it_is_evaluated_alone(tiny_llama_dir, tmp_path,
+                                                                                    monkeypatch):
+    spec = ls.JobSpec(base_model=tiny_llama_dir, train_data=[GOOD] * 4, eval_data=[GOOD] * 2, max_seq_len=32,
+                      eval_every=5, output_dir=str(tmp_path))
+    # "bad" is evaluated alone at its last step (2), before "ok" is due (3)
+    trials = [ls.TrialConfig(rank=4, max_steps=m, dropout=0.0, trial_id=t) for t, m in (("ok", 3), ("bad", 2))]
+    job = PackedJob(spec, trials, progress=False)
+    evaluate = job.evaluate
+
+    def failing_for_bad(trial_ids=None):
+        if trial_ids is not None and "bad" in trial_ids:
+            raise RuntimeError("evaluation broke")
+        return evaluate(trial_ids)
+
+    monkeypatch.setattr(job, "evaluate", failing_for_bad)
+    events = list(job.run())
+    assert [(type(e).__name__, e.trial_id) for e in events if not isinstance(e, ls.Report)] == [
+        ("Failed", "bad"), ("Finished", "ok")]
+    assert "evaluation broke" in next(e for e in events if e.trial_id == "bad").reason
+
+
+def test_a_job_stopped_early_unlocks_its_trials_for_the_next_job_in_this_process(tiny_llama_dir, tmp_path):
+    spec = ls.JobSpec(base_model=tiny_llama_dir, train_data=[GOOD] * 4, max_seq_len=32, eval_every=1,
+                      output_dir=str(tmp_path))
+    trial = ls.TrialConfig(rank=4, max_steps=3, dropout=0.0, trial_id="t")
+    first = PackedJob(spec, [trial], progress=False)
+    for _ in first.run():
+        break  # the caller stops early, as Ctrl-C in a notebook does
+    second = PackedJob(spec, [trial], progress=False)
+    assert [type(e).__name__ for e in second.run() if not isinstance(e, ls.Report)] == ["Finished"]

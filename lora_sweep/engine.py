@@ -130,10 +130,7 @@ class _TrialLock:
             os.makedirs(directory, exist_ok=True)
             self._lock = FileLock(path, timeout=0)
             self._lock.acquire()
-        except OSError as e:
-            raise ConfigError(f"Trial {trial_id!r}: cannot lock its files in output_dir {output_dir!r}: {e}",
-                              field="output_dir", trial_id=trial_id) from None
-        except Timeout:
+        except Timeout:  # a subclass of OSError, so before it
             try:
                 with open(self._owner) as f:
                     holder = json.load(f)
@@ -142,6 +139,9 @@ class _TrialLock:
                 who = "a holder whose host and pid are not recorded"
             raise ConfigError(f"Trial {trial_id!r}: output_dir {output_dir!r} is in use for this trial by another "
                               f"job ({who}; lock {path!r}); give each job its own output_dir or distinct trial ids.",
+                              field="output_dir", trial_id=trial_id) from None
+        except OSError as e:
+            raise ConfigError(f"Trial {trial_id!r}: cannot lock its files in output_dir {output_dir!r}: {e}",
                               field="output_dir", trial_id=trial_id) from None
         try:
             atomic_write(self._owner, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())

@@ -309,7 +309,7 @@ def test_a_second_job_on_the_same_output_dir_fails_its_trials_at_once(tiny_llama
     second = PackedJob(spec, [ls.TrialConfig(rank=4, max_steps=12, trial_id=t) for t in ("a", "b")], progress=False)
     events = list(second.run())
     assert [type(e) for e in events] == [Failed, Failed] and all(e.rejected for e in events)
-    assert all(f"pid {proc.pid}" in e.reason and str(out) in e.reason for e in events)
+    assert all(f"pid {proc.pid}" in e.reason and str(out) in e.reason for e in events), [e.reason for e in events]
     rest = proc.stdout.read()
     assert proc.wait() == 0
     assert all(f"Finished {t} " in rest or f"Finished {t} " in line for t in ("a", "b", "c"))

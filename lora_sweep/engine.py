@@ -552,6 +552,11 @@ class PackedJob:
             self._running = True
         self._sigterm = False
         previous = self._install_sigterm_handler()
+        for trial_id in [t for t in self.active if t not in self._trial_locks]:  # unlocked by an earlier stop
+            try:
+                self._trial_locks[trial_id] = _TrialLock(self.spec.output_dir, trial_id)
+            except ConfigError as e:
+                self._fail_trial(trial_id, self.active[trial_id].step, e, "locking its files again")
         try:
             while True:
                 self._apply_membership()
@@ -579,7 +584,8 @@ class PackedJob:
 
     def release_locks(self) -> None:
         """Unlock the files of every trial still in the job, so that another job (in this process
-        too) may train them; `run()` does this when it stops before its trials are done."""
+        too) may train them; `run()` does this when it stops before its trials are done, and
+        locks them again when it resumes."""
         for trial_id in list(self._trial_locks):
             self._trial_locks.pop(trial_id).release()
 

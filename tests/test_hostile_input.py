@@ -473,3 +473,17 @@ def test_a_job_stopped_early_unlocks_its_trials_for_the_next_job_in_this_process
         break  # the caller stops early, as Ctrl-C in a notebook does
     second = PackedJob(spec, [trial], progress=False)
     assert [type(e).__name__ for e in second.run() if not isinstance(e, ls.Report)] == ["Finished"]
+
+
+def test_a_job_run_again_after_an_early_stop_locks_its_trials_again(tiny_llama_dir, tmp_path):
+    spec = ls.JobSpec(base_model=tiny_llama_dir, train_data=[GOOD] * 4, max_seq_len=32, eval_every=1,
+                      output_dir=str(tmp_path))
+    trial = ls.TrialConfig(rank=4, max_steps=3, dropout=0.0, trial_id="t")
+    job = PackedJob(spec, [trial], progress=False)
+    for _ in job.run():
+        break
+    events = job.run()
+    first = next(events)  # running again: its trial is locked again
+    other = PackedJob(spec, [trial], progress=False)
+    assert [type(e).__name__ for e in other.run()] == ["Failed"]
+    assert [type(e).__name__ for e in [first, *events] if not isinstance(e, ls.Report)] == ["Finished"]

@@ -464,10 +464,14 @@ def test_an_evaluation_error_fails_its_trial_alone_even_when_it_is_evaluated_alo
     assert "evaluation broke" in next(e for e in events if e.trial_id == "bad").reason
 
 
-def test_a_job_stopped_early_unlocks_its_trials_for_the_next_job_in_this_process(tiny_llama_dir, tmp_path):
-    spec = ls.JobSpec(base_model=tiny_llama_dir, train_data=[GOOD] * 4, max_seq_len=32, eval_every=1,
+def three_step_trial_job(model_dir, tmp_path) -> tuple[ls.JobSpec, ls.TrialConfig]:
+    spec = ls.JobSpec(base_model=model_dir, train_data=[GOOD] * 4, max_seq_len=32, eval_every=1,
                       output_dir=str(tmp_path))
-    trial = ls.TrialConfig(rank=4, max_steps=3, dropout=0.0, trial_id="t")
+    return spec, ls.TrialConfig(rank=4, max_steps=3, dropout=0.0, trial_id="t")
+
+
+def test_a_job_stopped_early_unlocks_its_trials_for_the_next_job_in_this_process(tiny_llama_dir, tmp_path):
+    spec, trial = three_step_trial_job(tiny_llama_dir, tmp_path)
     first = PackedJob(spec, [trial], progress=False)
     for _ in first.run():
         break  # the caller stops early, as Ctrl-C in a notebook does
@@ -476,9 +480,7 @@ def test_a_job_stopped_early_unlocks_its_trials_for_the_next_job_in_this_process
 
 
 def test_a_job_run_again_after_an_early_stop_locks_its_trials_again(tiny_llama_dir, tmp_path):
-    spec = ls.JobSpec(base_model=tiny_llama_dir, train_data=[GOOD] * 4, max_seq_len=32, eval_every=1,
-                      output_dir=str(tmp_path))
-    trial = ls.TrialConfig(rank=4, max_steps=3, dropout=0.0, trial_id="t")
+    spec, trial = three_step_trial_job(tiny_llama_dir, tmp_path)
     job = PackedJob(spec, [trial], progress=False)
     for _ in job.run():
         break

@@ -172,7 +172,7 @@ class PackServer:
         from the donor's weights, AdamW moments and data cursor, and the new learning rate,
         schedule, weight decay and the like apply from that step on
         (`lora_sweep.engine.with_new_hyperparameters`); a new rank or batch size is "invalid"."""
-        from ..engine import with_new_hyperparameters
+        from ..engine import changed_fields, with_new_hyperparameters
         from ..planner import fits_running_job
 
         cfg = TrialConfig.from_dict(config)
@@ -188,8 +188,7 @@ class PackServer:
                 check_against_model(cfg, self.job.spec, self.job.module_shapes)
                 if state is not None:
                     state = _load_state(state)
-                    saved, wanted = state["config"], cfg.to_dict()
-                    new_hyperparameters = sorted(k for k in wanted if k != "trial_id" and saved.get(k) != wanted[k])
+                    new_hyperparameters = changed_fields(state["config"], cfg)
                     if new_hyperparameters:
                         state = with_new_hyperparameters(state, cfg)
                 running = [self._slots[t].cfg for t in self._in_job()]

@@ -158,10 +158,11 @@ class _TrialLock:
         self._lock.release()
 
 
-def _same_config(saved: dict, cfg: TrialConfig) -> bool:
-    """Whether a saved state's config is `cfg`'s, whatever the trial_id (a tuner may rerun a
-    trial under a new id)."""
-    return {**saved, "trial_id": None} == {**cfg.to_dict(), "trial_id": None}
+def changed_fields(saved: dict, cfg: TrialConfig) -> list[str]:
+    """The fields in which a saved state's config differs from `cfg`, whatever the trial_id (a
+    tuner may rerun a trial under a new id); none when the state is `cfg`'s own."""
+    wanted = cfg.to_dict()
+    return sorted(k for k in saved.keys() | wanted.keys() if k != "trial_id" and saved.get(k) != wanted.get(k))
 
 
 # What a trial's state fixes besides its values: the adapter's shapes (rank, the layers it
@@ -423,7 +424,7 @@ class PackedJob:
                                       "id is rejected.", field="trial_id", trial_id=cfg.trial_id)
                 check_against_model(cfg, self.spec, self.module_shapes)
                 if state is not None and not (isinstance(state, dict) and isinstance(state.get("config"), dict)
-                                              and _same_config(state["config"], cfg)):
+                                              and not changed_fields(state["config"], cfg)):
                     raise ConfigError(f"Trial {cfg.trial_id!r}: the `state` given was saved from another "
                                       "config.", field="state", trial_id=cfg.trial_id)
                 if cfg.trial_id not in self._trial_locks:

@@ -55,9 +55,8 @@ def _plain(v):
     serialise to JSON and unpickle with `torch.load(weights_only=True)`."""
     if isinstance(v, str):
         return str(v)  # np.str_ is a str subclass
-    if type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
-        return v.item()
-    if type(v).__module__.startswith("torch") and hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+    module = type(v).__module__
+    if (module == "numpy" or module.startswith("torch")) and hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
         return v.item()
     return v
 
@@ -98,12 +97,13 @@ def check_trial_id(trial_id) -> str:
         trial_id = str(trial_id)
     rule = f"a non-empty string of at most {MAX_TRIAL_ID_CHARS} characters, valid UTF-8, other than '.' and '..'"
     shown = trial_id if len(trial_id) <= 80 else trial_id[:77] + "..."
-    if not trial_id or len(trial_id) > MAX_TRIAL_ID_CHARS or trial_id in (".", ".."):
-        raise ConfigError(f"The value of `trial_id` is {shown!r}, but must be {rule}.", field="trial_id")
     try:
         trial_id.encode("utf-8")
+        encodable = True
     except UnicodeEncodeError:
-        raise ConfigError(f"The value of `trial_id` is {shown!r}, but must be {rule}.", field="trial_id") from None
+        encodable = False
+    if not trial_id or len(trial_id) > MAX_TRIAL_ID_CHARS or trial_id in (".", "..") or not encodable:
+        raise ConfigError(f"The value of `trial_id` is {shown!r}, but must be {rule}.", field="trial_id")
     return trial_id
 
 

@@ -9,9 +9,10 @@ packed job:
            `benchmarks.peft_baseline.train_alone_with_peft`)
 * unsloth  the same through Unsloth's `FastLanguageModel.get_peft_model`, where `import unsloth`
            works (else recorded as unavailable, with the reason); dropout 0 only, its fast path
-* packed   one `PackedJob` holding the K adapters, in a process of its own; with `--profile`,
-           also the GPU's time in its step (`sweep_gpu.gpu_s_per_step`), the share of the step
-           the GPU is busy and the time per step it waits for the host
+* packed   one `PackedJob` holding the K adapters, in a process of its own, its step replayed
+           from CUDA graphs; with `--profile`, also the GPU's time in its step, the share of
+           the step the GPU is busy and the host's time per step (`sweep_gpu.gpu_profile`)
+* packed-eager  the same job with `cuda_graphs=False`: every kernel launched from Python
 
 Every trial: rank 16 (`--rank`) on all seven projections, batch 1, loss on every token, its own
 seed. Each process builds the model from its config with random bf16 weights (nothing is
@@ -52,6 +53,7 @@ from importlib import metadata
 import torch  # transformers, peft and lora_sweep are imported in the workers, after unsloth where it is used
 
 START_TIMEOUT_S = 900  # model build and warm-up of the slowest process (a 7B model in 16 processes)
+PACKED = ("packed", "packed-eager")  # the methods that run one PackedJob
 UNSLOTH_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "UNSLOTH_DISABLE_STATISTICS": "1"}
 
 
@@ -118,18 +120,22 @@ def _train(task, on_step) -> dict:
     device = "cpu" if task["dry"] else "cuda"
     total = task["warmup"] + task["steps"]
     trials = [ls.TrialConfig.from_dict(t) for t in task["trials"]]
-    if task["method"] == "packed":
-        job = ls.PackedJob(spec_for(_base_model(task), task["rows"], task["seq"], device=device), trials,
-                           progress=False)
+    if task["method"] in PACKED:
+        spec = spec_for(_base_model(task), task["rows"], task["seq"], device=device,
+                        cuda_graphs=task["method"] == "packed")
+        job = ls.PackedJob(spec, trials, progress=False)
         for k in range(1, total + 1):
             job.step()
             on_step(k, job.step_stats[-1]["tokens"])
         peaks = [s["peak_memory_bytes"] for s in job.step_stats if s["peak_memory_bytes"] is not None]
         extra = {"evictions": job.evictions, "microbatches": max(s["microbatches"] for s in job.step_stats),
-                 "peak_allocated_gb": max(peaks, default=0) / 2**30}
+                 "peak_allocated_gb": max(peaks, default=0) / 2**30,
+                 "graphed_steps": sum(s["graphed"] for s in job.step_stats),
+                 "captures": job.graphed_step.captures if job.graphed_step is not None else 0,
+                 "padded_tokens_per_step": statistics.mean(s["padded_tokens"] for s in job.step_stats)}
         if task["profile"] and device == "cuda":
-            from benchmarks.sweep_gpu import gpu_s_per_step
-            extra["gpu_s_per_step"] = gpu_s_per_step(job)
+            from benchmarks.sweep_gpu import gpu_profile
+            extra["profile"] = gpu_profile(job)
         return extra
 
     (cfg,) = trials
@@ -236,12 +242,12 @@ def window_throughput(reports: list[dict]) -> dict:
 
 
 def run_one(method: str, k: int, dropout: float, setup: dict) -> dict:
-    """K processes of `method` (one for `packed`, holding the K adapters), summarised."""
+    """K processes of `method` (one for the packed methods, holding the K adapters), summarised."""
     trials = [dict(rank=setup["rank"], alpha=setup["alpha"], dropout=dropout, learning_rate=2e-4, batch_size=1,
                    max_steps=10**6, seed=i, trial_id=f"t{i}") for i in range(k)]
     common = {key: setup[key] for key in ("dry", "model", "seq", "warmup", "steps", "profile", "model_dir",
                                           "unsloth_checkpointing")}
-    if method == "packed":
+    if method in PACKED:
         tasks = [dict(common, method=method, index=0, trials=trials, rows=setup["rows"])]
     else:
         tasks = [dict(common, method=method, index=i, trials=[t], samples=setup["samples"], pad_id=setup["pad_id"])
@@ -257,12 +263,11 @@ def run_one(method: str, k: int, dropout: float, setup: dict) -> dict:
            "peak_allocated_gb_per_process": max((r.get("peak_allocated_gb", 0.0) for r in reports), default=0.0),
            "device": next((r["device"] for r in reports if "device" in r), None),
            "reports": [{key: v for key, v in r.items() if key not in ("ends", "start")} for r in reports]}
-    if method == "packed" and reports[0]["status"] == "ok":
-        out["evictions"], out["microbatches"] = reports[0]["evictions"], reports[0]["microbatches"]
-        if "gpu_s_per_step" in reports[0]:  # how long the GPU waits for the host in a step
-            out["gpu_s_per_step"] = reports[0]["gpu_s_per_step"]
-            out["gpu_busy_share"] = out["gpu_s_per_step"] / out["median_step_s"]
-            out["gpu_idle_s_per_step"] = out["median_step_s"] - out["gpu_s_per_step"]
+    if method in PACKED and reports[0]["status"] == "ok":
+        for key in ("evictions", "microbatches", "graphed_steps", "captures", "padded_tokens_per_step"):
+            out[key] = reports[0][key]
+        if "profile" in reports[0]:  # the GPU's share of a step, and the host's time per step
+            out.update(reports[0]["profile"])
     return out
 
 
@@ -300,13 +305,22 @@ def _version(dist: str):
         return None
 
 
+def _write(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def table(result: dict) -> str:
-    lines = [f"{'method':8} {'dropout':>7} {'K':>4} {'tokens/s':>10} {'step s':>8} {'GB/proc':>8}  status"]
+    lines = [f"{'method':12} {'dropout':>7} {'K':>4} {'tokens/s':>10} {'step s':>8} {'GB/proc':>8} {'GPU busy':>8} "
+             f"{'host s':>7}  status"]
     for r in result["runs"]:
         tps = f"{r['tokens_per_s']:10.0f}" if r.get("tokens_per_s") else f"{'-':>10}"
         step = f"{r['median_step_s']:8.3f}" if r.get("median_step_s") else f"{'-':>8}"
         mem = f"{r.get('peak_reserved_gb_per_process', 0.0):8.1f}"
-        lines.append(f"{r['method']:8} {r['dropout']:7.2f} {r['k']:4d} {tps} {step} {mem}  {r['status']}")
+        busy = f"{r['gpu_busy_share']:8.0%}" if "gpu_busy_share" in r else f"{'-':>8}"
+        host = f"{r['host_s_per_step']:7.3f}" if "host_s_per_step" in r else f"{'-':>7}"
+        lines.append(f"{r['method']:12} {r['dropout']:7.2f} {r['k']:4d} {tps} {step} {mem} {busy} {host}  {r['status']}")
     return "\n".join(lines)
 
 
@@ -353,9 +367,9 @@ def main(argv=None) -> dict:
     if args.warmup < 1:
         parser.error(f"The value of `--warmup` is {args.warmup}, but must be `--warmup >= 1`.")
     methods = args.peers.split(",")
-    unknown = set(methods) - {"peft", "unsloth", "packed"}
+    unknown = set(methods) - {"peft", "unsloth", *PACKED}
     if unknown:
-        parser.error(f"`--peers` takes peft, unsloth and packed, got {', '.join(sorted(unknown))}.")
+        parser.error(f"`--peers` takes peft, unsloth, packed and packed-eager, got {', '.join(sorted(unknown))}.")
     ks, dropouts = [int(k) for k in args.k.split(",")], [float(d) for d in args.dropout.split(",")]
     if args.dry:
         args.model, args.seq, args.steps, args.warmup, args.rows, ks = "tiny", 64, 2, 1, 64, [2]
@@ -404,15 +418,14 @@ def main(argv=None) -> dict:
                         too_big = k if run["status"] != "ok" else None
                         result["gpu"] = result["gpu"] or run["device"]  # "cpu" from the start in a dry run
                     result["runs"].append(run)
+                    _write(result, args.out)  # after every run: a run cut short keeps what it measured
                     tps = f"{run['tokens_per_s']:.0f} tokens/s, " if run.get("tokens_per_s") else ""
                     print(f"{method} dropout {dropout:g} K={k}: {tps}{run['status']}", flush=True)
     finally:
         if setup["model_dir"]:
             shutil.rmtree(setup["model_dir"], ignore_errors=True)
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    _write(result, args.out)
     if args.plot:
         plot(result, args.plot)
     print(table(result))

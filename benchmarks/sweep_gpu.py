@@ -139,7 +139,7 @@ def _median_ms(fn, reps: int) -> float:
 
 def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, gpu_busy: bool = False, **spec_kw) -> dict:
     """Median step time of one packed job, timed per step with CUDA events; with `gpu_busy`,
-    also the GPU time of a step (`gpu_s_per_step`)."""
+    also where a step's time goes (`gpu_profile`)."""
     job = ls.PackedJob(spec_for(model, rows, seq_len, **spec_kw), trials, progress=False)
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -158,25 +158,41 @@ def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, gpu_busy:
               "lengths": [len(job.train_samples[i]) for i in range(64)],
               "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "step_stats": stats}
     if gpu_busy:
-        result["gpu_s_per_step"] = gpu_s_per_step(job)
+        result.update(gpu_profile(job))
     del job
     strip_adapters(model)
     torch.cuda.empty_cache()
     return result
 
 
-def gpu_s_per_step(job, steps: int = 3) -> float:
-    """GPU time of one step of `job`: the summed durations of its kernels, copies and fills
-    (torch profiler, CUDA activity only). Beside the step's wall time it says how long the GPU
-    waited for the host: a step's work runs on one stream, so its kernels do not overlap."""
+def gpu_profile(job, steps: int = 5) -> dict:
+    """Where `steps` steps of `job` spend their wall time (torch profiler, CUDA activity only):
+
+    * gpu_s_per_step: the union of the GPU's kernel, copy and fill intervals (kernels on the
+      backward's second stream overlap those of the first: their union, not their sum);
+    * gpu_busy_share: that union over the steps' wall time;
+    * host_s_per_step: the median step's wall time less what its host waited for the GPU at
+      its end (`step_stats`' gpu_wait_s): the host's own work, which bounds the step from below.
+    """
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         for _ in range(steps):
             job.step()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps
+        wall = time.perf_counter() - t0
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA):
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    busy /= 1e6  # microseconds
+    stats = job.step_stats[-steps:]
+    return {"gpu_s_per_step": busy / steps, "wall_s_per_step": wall / steps, "gpu_busy_share": busy / wall,
+            "host_s_per_step": statistics.median(s["seconds"] - s["gpu_wait_s"] for s in stats)}
 
 
 def tokenized(model, rows, seq_len, device="cuda"):
@@ -290,7 +306,7 @@ def kernels(model_name, seq, n, peak, warmup, steps, log) -> dict:
         os.environ["LORA_SWEEP_KERNELS"] = mode
         r = time_packed(model, trials, rows, seq, warmup, steps, gpu_busy=True)
         out[mode] = {"tokens_per_s": r["tokens_per_step"] / r["median_step_s"], "median_step_s": r["median_step_s"],
-                     "gpu_s_per_step": r["gpu_s_per_step"], "gpu_busy": r["gpu_s_per_step"] / r["median_step_s"],
+                     "gpu_s_per_step": r["gpu_s_per_step"], "gpu_busy": r["gpu_busy_share"],
                      "peak_memory_gb": r["peak_memory_gb"]}
         log(f"{model_name} seq {seq}, {n} adapters, {mode}: {out[mode]['tokens_per_s']:,.0f} tok/s, "
             f"GPU busy {out[mode]['gpu_busy']:.0%} of a step")
@@ -307,7 +323,8 @@ def step_host(model_name, seq, n, warmup, steps, log) -> dict:
     (`torch.autograd.grad`) and inside the optimizer step, each timed around the call with
     the GPU running behind; Triton launches per step; the synchronising CUDA calls of one
     step (torch's sync debug mode) and where they come from; the GPU's own time of a step
-    (`gpu_s_per_step`). A step whose host time reaches its wall time is host-bound."""
+    (`gpu_profile`). A step whose host time reaches its wall time is host-bound. The
+    eager step's (`cuda_graphs=False`): a replayed step's host work is none of these."""
     import collections
     import warnings
 
@@ -317,7 +334,7 @@ def step_host(model_name, seq, n, warmup, steps, log) -> dict:
     rows = synthetic_rows(512, seq, seed=1)
     trials = [ls.TrialConfig(rank=16, alpha=32, dropout=0.0, batch_size=1, max_steps=10**6, seed=i,
                              trial_id=f"t{i}") for i in range(n)]
-    job = ls.PackedJob(spec_for(model, rows, seq), trials, progress=False)
+    job = ls.PackedJob(spec_for(model, rows, seq, cuda_graphs=False), trials, progress=False)
     for _ in range(warmup):
         job.step()
     host = collections.Counter()
@@ -356,7 +373,7 @@ def step_host(model_name, seq, n, warmup, steps, log) -> dict:
     syncs = [f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
     out = {"model": model_name, "seq": seq, "adapters": n, "wall_s_per_step": wall,
            **{k: v / steps for k, v in host.items()}, "syncs_per_step": len(syncs), "sync_sites": syncs,
-           "gpu_s_per_step": gpu_s_per_step(job)}
+           **gpu_profile(job)}
     del job
     strip_adapters(model)
     del model

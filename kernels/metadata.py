@@ -19,6 +19,7 @@ Nothing here imports Triton: the CPU reference path never needs it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -466,9 +467,27 @@ class LoRABatchMeta:
         if seeds.shape != (len(ranks),) or seeds.dtype != torch.int64:
             raise ValueError(f"Expected one int64 seed per adapter ({len(ranks)}), got {tuple(seeds.shape)} "
                              f"{seeds.dtype}.")
+        for keep in _retainers:
+            keep.append(shared)
         meta = copy.copy(shared)
         meta.seeds = seeds
         return meta
+
+
+# The lists `retain_tables` is filling.
+_retainers: list[list] = []
+
+
+@contextlib.contextmanager
+def retain_tables(keep: list):
+    """While inside, the tables of every call (`LoRABatchMeta.build`) are also appended to
+    `keep`. A CUDA graph reads the device tables of the calls it captured at every replay, so
+    their owner keeps them alive after the cache has let them go."""
+    _retainers.append(keep)
+    try:
+        yield keep
+    finally:
+        _retainers.remove(keep)
 
 
 @functools.lru_cache(maxsize=64)

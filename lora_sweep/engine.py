@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from .attention import sliding_window, use_packed_attention
 from .config import ConfigError, JobSpec, TrialConfig, check_against_model, check_trial_id, trial_file_name
 from .data import Sample, SampleStream, collate, load_rows, to_device, tokenize_rows
+from .graphed import GraphCaptureError, GraphedStep, graphs_supported
 from .export import atomic_write, file_sha256, peft_key, write_peft_adapter
 from .kernels.lm_loss import per_adapter_lm_loss
 from .layers import MultiLoRALinear, SegmentTable
@@ -291,7 +292,8 @@ class PackedJob:
         fuse_gated_mlps(self.model)
         self.body, self.lm_head_weight = split_causal_lm(self.model)
         # Microbatch layout. On CUDA samples are packed back to back in one row, no padding
-        # waste, with an attention that keeps them apart (attention.packed_attention). On CPU
+        # waste, with an attention that keeps them apart (attention.packed_attention); a step
+        # replayed from a CUDA graph pads them into slots instead (graphed.py). On CPU
         # each sample gets a row padded to the microbatch's longest sample. padding="max_seq_len"
         # pads every row to max_seq_len: then the backward's reductions over the sequence run in
         # the same order whoever the pack-mates are (bit-identical isolation), at the cost of
@@ -331,6 +333,8 @@ class PackedJob:
         self.memory_model = None
 
         self.optimizer = PackedAdamW()
+        # the step replayed from CUDA graphs (graphed.py), where it can be; else None: eager steps
+        self.graphed_step = GraphedStep(self) if spec.cuda_graphs and graphs_supported(self) else None
         self.active: dict[str, _Adapter] = {}  # trial_id -> state, in join order
         self.finished: dict[str, str] = {}  # trial_id -> adapter dir
         self.waiting: deque[dict] = deque()  # snapshots of adapters moved out after an OOM
@@ -630,34 +634,52 @@ class PackedJob:
         cursors = [a.stream.state() for a in adapters]
         groups = [[self.train_samples[i] for i in a.stream.take(a.cfg.batch_size)] for a in adapters]
 
-        # forward / backward, in microbatches under the memory cap
-        try:
-            sums, counts, plan = self._forward_backward(adapters, groups)
-        except _DoesNotFit:
-            # Even one sample per microbatch is too much: rewind the data, move the newest
-            # adapter out until another one leaves (it is not failed, and resumes exactly).
-            for a, cursor in zip(adapters, cursors):
-                a.stream.load_state(cursor)
-            self._evict(adapters[-1])
-            return
-        means = sums / counts
+        # adapters at the end of their accumulation window take an optimizer step
+        steps_now = [(a.micro_steps + 1) % a.cfg.gradient_accumulation_steps == 0 for a in adapters]
+        graphed = self._graphed_micro_step(adapters, groups, steps_now)
+        if graphed is not None:  # forward, backward and the stepping adapters' update, replayed
+            sums, norm_values = graphed
+            counts = [sum(s.loss_tokens for s in g) for g in groups]
+            mean_values = [s / c if c else math.nan for s, c in zip(sums, counts)]
+            norm_values = [n for n, s in zip(norm_values, steps_now) if s]
+            padded_tokens, microbatches = sum(len(g) for g in groups) * self.graphed_step.last_length, 1
+            gpu_wait_s = self.graphed_step.wait_s
+        else:
+            # forward / backward, in microbatches under the memory cap
+            try:
+                sums, counts_t, plan = self._forward_backward(adapters, groups)
+            except _DoesNotFit:
+                # Even one sample per microbatch is too much: rewind the data, move the newest
+                # adapter out until another one leaves (it is not failed, and resumes exactly).
+                for a, cursor in zip(adapters, cursors):
+                    a.stream.load_state(cursor)
+                self._evict(adapters[-1])
+                return
+            means = sums / counts_t
+            names = [a.trial_id for a, s in zip(adapters, steps_now) if s]
+            norms = self.optimizer.grad_norms(names) if names else means.new_zeros(0)
+            t_sync = time.perf_counter()
+            mean_values, norm_values = means.tolist(), norms.tolist()  # the step's one host sync
+            gpu_wait_s = time.perf_counter() - t_sync
+            padded_tokens, microbatches = sum(self._padded_tokens(parts) for parts in plan), len(plan)
 
-        # optimizer: adapters at the end of their accumulation window clip and step together
-        stepping = [a for a in adapters if (a.micro_steps + 1) % a.cfg.gradient_accumulation_steps == 0]
-        norms = self.optimizer.grad_norms([a.trial_id for a in stepping]) if stepping else means.new_zeros(0)
-        mean_values, norm_values = means.tolist(), norms.tolist()  # the step's one host sync
+        # optimizer: the stepping adapters clip and step together; a non-finite one fails
+        stepping = [a for a, s in zip(adapters, steps_now) if s]
         bad = {a.trial_id: f"non-finite training loss ({v}) at step {a.step + 1}"
                for a, v in zip(adapters, mean_values) if not math.isfinite(v)}
         for a, n in zip(stepping, norm_values):
             if not math.isfinite(n) and a.trial_id not in bad:
                 bad[a.trial_id] = f"non-finite gradient norm ({n}) at step {a.step + 1}"
         ok = [a for a in stepping if a.trial_id not in bad]
-        self.optimizer.step([a.trial_id for a in ok],
-                            [n for a, n in zip(stepping, norm_values) if a.trial_id not in bad])
-        self.optimizer.zero_grad([a.trial_id for a in ok])
+        if graphed is not None:  # the graph stepped them, and left the others' weights alone
+            self.optimizer.count_step([a.trial_id for a in ok])
+        else:
+            self.optimizer.step([a.trial_id for a in ok],
+                                [n for a, n in zip(stepping, norm_values) if a.trial_id not in bad])
+            self.optimizer.zero_grad([a.trial_id for a in ok])
 
         seconds = time.perf_counter() - t0
-        self._record_stats(adapters, groups, plan, seconds)
+        self._record_stats(adapters, groups, padded_tokens, microbatches, seconds, gpu_wait_s, graphed is not None)
         for a, group, v in zip(adapters, groups, mean_values):
             a.micro_steps += 1
             a.tokens += sum(len(s) for s in group)
@@ -668,6 +690,20 @@ class PackedJob:
             self._drop(tid, keep_checkpoint=self.spec.keep_checkpoints)
             self._events.append(Failed(tid, step, reason))
         self._after_optimizer_step(ok)
+
+    def _graphed_micro_step(self, adapters, groups, stepping):
+        """The micro-step through `graphed_step` where it takes it: (loss sums, gradient norms),
+        with the stepping adapters' optimizer update done; else None. A layout that cannot be
+        captured turns the graphs off for the job, with a warning."""
+        if self.graphed_step is None or not self.graphed_step.takes(groups):
+            return None
+        try:
+            return self.graphed_step.run(adapters, groups, stepping)
+        except GraphCaptureError as e:
+            warnings.warn(f"{e}; this job goes on without CUDA graphs.", stacklevel=3)
+            self.graphed_step = None
+            torch.cuda.empty_cache()
+            return None
 
     def _forward_backward(self, adapters: list[_Adapter], groups: list[list[Sample]]):
         """Per-adapter loss sums and loss-token counts of this micro-step, with each adapter's
@@ -862,14 +898,16 @@ class PackedJob:
         self._events.append(Report(a.trial_id, a.step, metrics))
         self._events.append(Finished(a.trial_id, a.step, metrics, path))
 
-    def _record_stats(self, adapters, groups, plan, seconds) -> None:
+    def _record_stats(self, adapters, groups, padded_tokens, microbatches, seconds, gpu_wait_s, graphed) -> None:
         self.step_stats.append({
             "tokens": sum(len(s) for g in groups for s in g),  # real (non-padding) tokens
-            "padded_tokens": sum(self._padded_tokens(parts) for parts in plan),
+            "padded_tokens": padded_tokens,
             "rank_tokens": sum(a.cfg.rank * sum(len(s) for s in g) for a, g in zip(adapters, groups)),
             "num_adapters": len(adapters),
             "rank_sum": sum(a.cfg.rank for a in adapters),
-            "microbatches": len(plan),
+            "microbatches": microbatches,
+            "graphed": graphed,  # replayed from a CUDA graph
+            "gpu_wait_s": gpu_wait_s,  # of `seconds`, what the host waited for the GPU at the step's end
             "seconds": seconds,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         })

@@ -48,11 +48,23 @@ class SegmentTable:
         int64 tensor there. Computed for all layers at once per microbatch and copied to the
         device once, not once per layer."""
         if device not in self._layer_seeds:
-            layers = np.arange(max(self.num_layers, layer_index + 1))[:, None]
-            table = mix_seed(np.array(self.seeds)[None, :], layers, np.array(self.steps)[None, :])
+            table = layer_seed_table(self.seeds, self.steps, max(self.num_layers, layer_index + 1))
             self._layer_seeds[device] = table.tolist() if device is None else to_device(torch.from_numpy(table),
                                                                                         torch.int64, device)
         return self._layer_seeds[device][layer_index]
+
+    def read_seeds_from(self, rows: torch.Tensor) -> None:
+        """Give layer l the dropout seeds in `rows[l]` (int64 [num_layers, adapters] on the
+        layers' device, `layer_seed_table`'s values) instead of computing them. A CUDA graph
+        captures the reads of `rows`; its owner refills them before every replay."""
+        self._layer_seeds = {rows.device: rows}
+
+
+def layer_seed_table(seeds, steps, num_layers: int) -> np.ndarray:
+    """int64 [num_layers, adapters]: layer l's dropout seed of each adapter of trial seed
+    `seeds[i]` at micro-step `steps[i]` (`mix_seed`)."""
+    layers = np.arange(num_layers)[:, None]
+    return mix_seed(np.array(seeds, dtype=np.int64)[None, :], layers, np.array(steps, dtype=np.int64)[None, :])
 
 
 def mix_seed(*parts):

@@ -7,6 +7,9 @@ into it), and so do its gradient and its two AdamW moments. The update is then a
 packed job of 32 adapters on a 16-layer model steps 32 tensors, not 7,000. The arithmetic is
 `torch.optim.AdamW`'s foreach path, term for term, so an adapter updated here matches one
 updated alone by torch's AdamW.
+
+`step_on_device` is the same update with every per-step value in a device table, for a
+step captured in a CUDA graph: nothing in it reads a value back to the host.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ class AdapterOptState:
         return self.lr * self.schedule(self.step)
 
 
+# Columns of `PackedAdamW.step_on_device`'s table, one row per adapter.
+DEVICE_COLS = ("lr", "step", "stepping", "max_grad_norm")
+
+
 class PackedAdamW:
     """AdamW (decoupled weight decay) for many adapters, stepped together."""
 
@@ -122,6 +129,43 @@ class PackedAdamW:
             torch._foreach_div_(denom, bc2_sqrt)
             torch._foreach_add_(denom, self.eps)
             torch._foreach_addcdiv_(params, exp_avg, denom, step_size)
+
+    def step_on_device(self, names: list[str], table: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+        """`step`, with the host's per-step values in `table` (fp32, [len(names), len(DEVICE_COLS)],
+        on the adapters' device) and nothing read back: capturable in a CUDA graph.
+
+        For adapter i, with g its gradient and n = ||g||:
+            clip_i = min(1, max_grad_norm_i / (n + 1e-6))   (1 without max_grad_norm)
+            AdamW on clip_i * g at lr_i and step count step_i (torch's fused AdamW)
+            g = 0 after the update
+        An adapter whose `stepping` is 0 (inside its accumulation window) keeps its weights,
+        moments and gradient; one whose norm or loss (`losses`, [len(names)]) is not finite
+        keeps its weights and moments. Returns the gradient norms, [len(names)]."""
+        states = [self.adapters[n] for n in names]
+        norms = torch.stack(torch._foreach_norm([s.grad for s in states])).float()
+        lr, step, stepping, max_norm = table.unbind(1)
+        clip = torch.where(max_norm > 0, (max_norm / (norms + 1e-6)).clamp(max=1.0), 1.0)
+        finite = torch.isfinite(norms) & torch.isfinite(losses)
+        grad_scale = torch.where(finite, 1.0 / clip, 1.0)  # the fused AdamW divides g by it
+        skip = (~finite | (stepping == 0)).float()  # the fused AdamW leaves an adapter alone where 1
+        for i, s in enumerate(states):
+            torch._fused_adamw_([s.flat], [s.grad], [s.exp_avg], [s.exp_avg_sq], [], [step[i]], lr=lr[i],
+                                beta1=self.beta1, beta2=self.beta2, weight_decay=s.weight_decay, eps=self.eps,
+                                amsgrad=False, maximize=False, grad_scale=grad_scale[i], found_inf=skip[i])
+        keep = 1.0 - stepping
+        torch._foreach_mul_([s.grad for s in states], list(keep.unbind(0)))
+        return norms
+
+    def fill_device_row(self, name: str, stepping: bool, row) -> None:
+        """Adapter `name`'s row of `step_on_device`'s table (a writable sequence of
+        len(DEVICE_COLS) floats) for the coming micro-step."""
+        s = self.adapters[name]
+        row[:] = (s.current_lr, s.step + 1, 1.0, s.max_grad_norm or 0.0) if stepping else (0.0, 1.0, 0.0, 0.0)
+
+    def count_step(self, names: list[str]) -> None:
+        """Record an optimizer step that `step_on_device` took for each of `names`."""
+        for n in names:
+            self.adapters[n].step += 1
 
     def add_grads(self, name: str, grads: list[torch.Tensor]) -> None:
         """Add one gradient per parameter (in `params` order) to the adapter's gradient."""

@@ -1,0 +1,156 @@
+"""The step a CUDA graph replays (`graphed.py`), run eagerly on CPU: it trains what the job's
+own step trains, and its optimizer update is `PackedAdamW.step`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import lora_sweep as ls
+from lora_sweep.data import Sample
+from lora_sweep.engine import Failed, PackedJob
+from lora_sweep.graphed import CAPTURE_AFTER, GraphedStep
+from lora_sweep.layers import SegmentTable, layer_seed_table
+from lora_sweep.optim import DEVICE_COLS, PackedAdamW, lr_lambda
+
+from test_engine_equivalence import four_trials, make_spec, rel
+
+
+def _optimizers(seed):
+    """Two PackedAdamW holding the same four adapters (as tensors of 5 and 7 weights)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = [[torch.randn(5, generator=g), torch.randn(7, generator=g)] for _ in range(4)]
+    settings = [(1e-2, "linear", 0.0, 1.0), (3e-3, "cosine", 0.1, None), (5e-3, "constant", 0.0, 0.01),
+                (2e-2, "linear", 0.05, 0.5)]
+    pair = []
+    for _ in range(2):
+        opt = PackedAdamW()
+        for i, (w, (lr, kind, wd, clip)) in enumerate(zip(weights, settings)):
+            opt.add(f"t{i}", [x.clone() for x in w], lr, lr_lambda(kind, 2, 10), wd, clip)
+        pair.append(opt)
+    return pair
+
+
+def test_step_on_device_is_the_host_step():
+    """Per-adapter lr schedules, weight decay, clipping by each adapter's own norm, an adapter
+    inside its accumulation window and one with a non-finite loss: the table-driven update
+    leaves every adapter where the host-scalar one does."""
+    host, device = _optimizers(0)
+    names = list(host.adapters)
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        stepping = [True, True, step % 2 == 1, True]
+        losses = torch.tensor([1.0, 2.0, 3.0, math.nan if step == 4 else 4.0])
+        for opt in (host, device):
+            torch.manual_seed(step)
+        grads = {n: torch.randn(host.adapters[n].grad.shape, generator=g) for n in names}
+        for opt in (host, device):
+            for n in names:
+                opt.adapters[n].grad.add_(grads[n])
+        # the host's step: only finite stepping adapters, as the engine calls it
+        ok = [n for n, s, l in zip(names, stepping, losses.tolist()) if s and math.isfinite(l)]
+        norms = host.grad_norms(ok).tolist()
+        host.step(ok, norms)
+        host.zero_grad(ok)
+        table = torch.empty(len(names), len(DEVICE_COLS))
+        for i, (n, s) in enumerate(zip(names, stepping)):
+            device.fill_device_row(n, s, table[i].numpy())
+        device_norms = device.step_on_device(names, table, losses)
+        device.count_step(ok)
+        assert device_norms[0].item() == pytest.approx(norms[0], rel=1e-6)
+        nan_adapter = names[3]
+        if step == 4:  # its gradient is kept out of the update; the host step never saw it
+            host.zero_grad([nan_adapter])
+        for n in names:
+            assert host.adapters[n].step == device.adapters[n].step
+            torch.testing.assert_close(device.adapters[n].flat, host.adapters[n].flat, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(device.adapters[n].exp_avg_sq, host.adapters[n].exp_avg_sq, rtol=1e-5,
+                                       atol=1e-10)
+            torch.testing.assert_close(device.adapters[n].grad, host.adapters[n].grad)
+
+
+def test_layer_seed_table_is_what_layers_compute():
+    table = SegmentTable()
+    table.num_layers = 5
+    table.set(["a", "b", "c"], [3, 4, 5], steps=[0, 7, 2], seeds=[11, 12, 2**40])
+    rows = layer_seed_table([11, 12, 2**40], [0, 7, 2], 5)
+    assert rows.shape == (5, 3)
+    assert [table.dropout_seeds(layer) for layer in range(5)] == rows.tolist()
+    assert len({int(v) for v in rows.reshape(-1)}) == 15  # every (layer, adapter) its own stream
+
+
+def test_buckets(tiny_llama_dir, toy_data, tmp_path):
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path, max_seq_len=100), [], progress=False)
+    step = GraphedStep(job, capture=False)
+
+    def sample(n):
+        return Sample(tuple(range(n)), tuple(range(n)))
+
+    assert [step.length([[sample(n)]]) for n in (1, 32, 33, 64, 65, 80, 81, 100)] == \
+        [32, 32, 64, 64, 80, 80, 100, 100]
+    # a rare bucket pads up to a longer captured one until it has been asked for CAPTURE_AFTER times
+    step.layouts[100] = None
+    assert [step._length_to_run([[sample(20)]]) for _ in range(CAPTURE_AFTER + 1)] == \
+        [100] * (CAPTURE_AFTER - 1) + [32, 32]
+    job.microbatch_tokens = 2 * 64  # and never past the job's cap on tokens per forward
+    assert not step.takes([[sample(70), sample(1)]]) and step.takes([[sample(60), sample(1)]])
+    assert step._length_to_run([[sample(50)], [sample(50)]]) == 64
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_slot_step_trains_as_the_job_step(tiny_llama_dir, toy_data, tmp_path, dropout):
+    """Four trials (ranks 4-16, batches 1-3, an accumulation window of 2, cosine and constant
+    schedules, clipping, rsLoRA, attention-only targets), eight steps: the slot layout's step
+    (padding to the bucket, the optimizer from its device table) trains the same adapters as
+    the job's own step, to fp32 rounding. A dropout mask is drawn by row of the adapter's
+    segment, so a batch's second sample draws another mask in another layout: with dropout
+    the trials take batches of one."""
+    trials = four_trials(dropout)
+    if dropout:
+        trials = [dataclasses.replace(t, batch_size=1) for t in trials]
+    weights, losses = [], []
+    for graphed in (False, True):
+        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphed), eval_every=100), trials,
+                        progress=False)
+        if graphed:
+            job.graphed_step = GraphedStep(job, capture=False)
+        for _ in range(8):
+            job.step()
+            assert job.step_stats[-1]["graphed"] is graphed
+        losses.append({t: a.report_losses for t, a in job.active.items()})  # one per optimizer step
+        weights.append({t: job.optimizer.adapters[t].flat.clone() for t in job.active})
+    assert [len(v) for v in losses[0].values()] == [8, 8, 8, 4]
+    for t in losses[0]:
+        assert losses[1][t] == pytest.approx(losses[0][t], rel=1e-5)
+    for t in weights[0]:  # Adam's first steps amplify rounding in the smallest gradients: a norm-wise check
+        assert rel(weights[1][t], weights[0][t]) < 1e-5
+
+
+def test_slot_step_isolates_a_failing_adapter(tiny_llama_dir, toy_data, tmp_path):
+    """An adapter whose weights turn non-finite fails alone in the slot step, and its
+    pack-mates' weights after that step are bit-identical to a run where it stays healthy."""
+    results = []
+    for poison in (False, True):
+        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(poison), eval_every=100),
+                        four_trials()[:3], progress=False)
+        job.graphed_step = GraphedStep(job, capture=False)
+        events = []
+        for k in range(4):
+            if poison and k == 2:
+                job.optimizer.adapters["b"].flat[0] = math.inf
+            events += job.step()
+            if k == 2:
+                results.append({t: job.optimizer.adapters[t].flat.clone() for t in ("a", "c")})
+        if poison:
+            assert [e.trial_id for e in events if isinstance(e, Failed)] == ["b"]
+            assert set(job.active) == {"a", "c"}
+    for t in ("a", "c"):
+        assert torch.equal(results[0][t], results[1][t])
+
+
+def test_cuda_graphs_is_a_bool(tiny_llama_dir, toy_data, tmp_path):
+    with pytest.raises(ls.ConfigError, match="cuda_graphs"):
+        make_spec(tiny_llama_dir, toy_data, tmp_path, cuda_graphs="yes")

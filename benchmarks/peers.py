@@ -241,6 +241,16 @@ def window_throughput(reports: list[dict]) -> dict:
             "union_tokens_per_s": sum(sum(r["tokens"]) for r in done) / union, "window_s": hi - lo}
 
 
+def steady_throughput(reports: list[dict], steps: list[float]) -> float | None:
+    """Real tokens/s at the median step: every finished process's mean tokens per step over the
+    median of all their step times. Unlike the window's figure it leaves out one-off stalls,
+    such as a packed job's first step at a new length (a CUDA graph captured)."""
+    done = [r for r in reports if r["status"] == "ok"]
+    if not done or not steps:
+        return None
+    return sum(statistics.mean(r["tokens"]) for r in done) / statistics.median(steps)
+
+
 def run_one(method: str, k: int, dropout: float, setup: dict) -> dict:
     """K processes of `method` (one for the packed methods, holding the K adapters), summarised."""
     trials = [dict(rank=setup["rank"], alpha=setup["alpha"], dropout=dropout, learning_rate=2e-4, batch_size=1,
@@ -257,7 +267,7 @@ def run_one(method: str, k: int, dropout: float, setup: dict) -> dict:
     steps = [b - a for r in reports if r["status"] == "ok" for a, b in zip([r["start"]] + r["ends"][:-1], r["ends"])]
     out = {"method": method, "k": k, "dropout": dropout, "processes": len(tasks),
            "status": "ok" if not failed else f"{len(failed)} of {len(tasks)} processes: {failed[0]}",
-           **window_throughput(reports),
+           **window_throughput(reports), "steady_tokens_per_s": steady_throughput(reports, steps),
            "median_step_s": statistics.median(steps) if steps else None,
            "peak_reserved_gb_per_process": max((r.get("reserved_gb", 0.0) for r in reports), default=0.0),
            "peak_allocated_gb_per_process": max((r.get("peak_allocated_gb", 0.0) for r in reports), default=0.0),
@@ -312,15 +322,16 @@ def _write(result: dict, path: str) -> None:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'method':12} {'dropout':>7} {'K':>4} {'tokens/s':>10} {'step s':>8} {'GB/proc':>8} {'GPU busy':>8} "
+    lines = [f"{'method':12} {'dropout':>7} {'K':>4} {'tokens/s':>10} {'steady':>8} {'step s':>8} {'GB/proc':>8} {'GPU busy':>8} "
              f"{'host s':>7}  status"]
     for r in result["runs"]:
         tps = f"{r['tokens_per_s']:10.0f}" if r.get("tokens_per_s") else f"{'-':>10}"
+        steady = f"{r['steady_tokens_per_s']:8.0f}" if r.get("steady_tokens_per_s") else f"{'-':>8}"
         step = f"{r['median_step_s']:8.3f}" if r.get("median_step_s") else f"{'-':>8}"
         mem = f"{r.get('peak_reserved_gb_per_process', 0.0):8.1f}"
         busy = f"{r['gpu_busy_share']:8.0%}" if "gpu_busy_share" in r else f"{'-':>8}"
         host = f"{r['host_s_per_step']:7.3f}" if "host_s_per_step" in r else f"{'-':>7}"
-        lines.append(f"{r['method']:12} {r['dropout']:7.2f} {r['k']:4d} {tps} {step} {mem} {busy} {host}  {r['status']}")
+        lines.append(f"{r['method']:12} {r['dropout']:7.2f} {r['k']:4d} {tps} {steady} {step} {mem} {busy} {host}  {r['status']}")
     return "\n".join(lines)
 
 

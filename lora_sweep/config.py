@@ -291,10 +291,11 @@ class JobSpec:
     keep_checkpoints: bool = field(
         default=False, metadata={"help": "Keep the checkpoints of trials that leave unfinished (pruned, removed "
                                  "or failed); by default they are deleted when the trial leaves."})
-    cuda_graphs: bool = field(
-        default=True, metadata={"help": "On CUDA with packed samples, capture the training step in CUDA graphs "
-                                "and replay them, each adapter's samples padded to a few lengths; False: "
-                                "launch every kernel from Python each step, no padding."})
+    cuda_graphs: Union[bool, Literal["auto"]] = field(
+        default="auto", metadata={"help": "On CUDA with packed samples: True captures the training step in CUDA "
+                                  "graphs and replays it (each sample padded to one of four lengths); False "
+                                  "launches every kernel from Python, nothing padded; auto times both on the "
+                                  "job's first steps and keeps the one that trains more tokens per second."})
 
     def __post_init__(self):
         for f in fields(self):  # NumPy / torch scalars -> Python values; data, model and tokenizer as given
@@ -324,7 +325,9 @@ class JobSpec:
         if self.padding not in ("auto", "packed", "longest", "max_seq_len"):
             raise _fail(None, "padding", self.padding, "one of auto, packed, longest, max_seq_len")
         _check_int(None, "eval_every", self.eval_every, 1)
-        for flag in ("gradient_checkpointing", "keep_checkpoints", "cuda_graphs"):
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
+            raise _fail(None, "cuda_graphs", self.cuda_graphs, "True, False or 'auto'")
+        for flag in ("gradient_checkpointing", "keep_checkpoints"):
             if not isinstance(getattr(self, flag), bool):
                 raise _fail(None, flag, getattr(self, flag), "True or False")
         if not isinstance(self.output_dir, str):

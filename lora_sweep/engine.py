@@ -334,7 +334,8 @@ class PackedJob:
 
         self.optimizer = PackedAdamW()
         # the step replayed from CUDA graphs (graphed.py), where it can be; else None: eager steps
-        self.graphed_step = GraphedStep(self) if spec.cuda_graphs and graphs_supported(self) else None
+        self.graphed_step = GraphedStep(self, choose=spec.cuda_graphs == "auto") \
+            if spec.cuda_graphs and graphs_supported(self) else None
         self.active: dict[str, _Adapter] = {}  # trial_id -> state, in join order
         self.finished: dict[str, str] = {}  # trial_id -> adapter dir
         self.waiting: deque[dict] = deque()  # snapshots of adapters moved out after an OOM
@@ -679,6 +680,10 @@ class PackedJob:
             self.optimizer.zero_grad([a.trial_id for a in ok])
 
         seconds = time.perf_counter() - t0
+        if self.graphed_step is not None:  # the job's first step and a capture compile: not timed
+            timed = not self.graphed_step.captured if graphed is not None else bool(self.step_stats)
+            self.graphed_step.record(len(adapters), graphed is not None, seconds,
+                                     sum(len(s) for g in groups for s in g), timed)
         self._record_stats(adapters, groups, padded_tokens, microbatches, seconds, gpu_wait_s, graphed is not None)
         for a, group, v in zip(adapters, groups, mean_values):
             a.micro_steps += 1
@@ -695,10 +700,11 @@ class PackedJob:
         """The micro-step through `graphed_step` where it takes it: (loss sums, gradient norms),
         with the stepping adapters' optimizer update done; else None. A layout that cannot be
         captured turns the graphs off for the job, with a warning."""
-        if self.graphed_step is None or not self.graphed_step.takes(groups):
+        step = self.graphed_step
+        if step is None or not (step.wants(len(adapters)) and step.takes(groups)):
             return None
         try:
-            return self.graphed_step.run(adapters, groups, stepping)
+            return step.run(adapters, groups, stepping)
         except GraphCaptureError as e:
             warnings.warn(f"{e}; this job goes on without CUDA graphs.", stacklevel=3)
             self.graphed_step = None

@@ -22,10 +22,17 @@ with three copies from pinned memory; after it, one copy brings back each adapte
 and gradient norm. A join or leave changes the layout: the graphs are dropped and the next
 step captures again (a warm-up forward/backward, then the capture: about two eager steps).
 The graphs of all buckets share one memory pool, since one runs at a time.
+
+Padding costs the GPU what the host saves: a 1B model at sequence 256 gains several times,
+a 7B model at 1024, whose eager step already keeps the GPU busy, could lose. So with
+`cuda_graphs="auto"` a job times `TRIAL_STEPS` eager and `TRIAL_STEPS` replayed steps for
+each size of pack (adapters in [2^k, 2^(k+1))), leaving out steps that compile or capture,
+and keeps the one that trains more real tokens per second.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -39,8 +46,11 @@ from .kernels.metadata import retain_tables
 from .layers import layer_seed_table
 from .optim import DEVICE_COLS
 
+logger = logging.getLogger(__name__)
+
 BUCKETS = (0.25, 0.5, 0.75, 1.0)  # token lengths a step is padded to, as fractions of max_seq_len
 CAPTURE_AFTER = 3  # steps asking for a bucket before it gets a graph of its own, if a longer one has one
+TRIAL_STEPS = 3  # steps of each kind `cuda_graphs="auto"` times before it chooses
 TABLE_COLS = ("loss_weight", *DEVICE_COLS)  # per-adapter values written before every replay
 
 
@@ -78,11 +88,18 @@ class GraphedStep:
     """The micro-step of `job` (a `PackedJob`) in the slot layout, replayed from CUDA graphs.
 
     With `capture=False` the same step runs eagerly on the same static buffers: the CPU tests
-    check it against the job's own step."""
+    check it against the job's own step. With `choose`, the job asks `wants` before each step
+    and reports each step to `record` (`cuda_graphs="auto"`)."""
 
-    def __init__(self, job, capture: bool = True):
+    def __init__(self, job, capture: bool = True, choose: bool = False):
         self.job = job
         self.capture = capture
+        self.choose = choose
+        # by pack size (adapters' bit length): (seconds, real tokens) of the timed steps, eager
+        # (False) and replayed (True); then the choice
+        self.timings: dict[int, dict[bool, list[tuple[float, int]]]] = {}
+        self.chosen: dict[int, bool] = {}
+        self.captured = False  # whether the last step captured a graph
         self.layouts: dict[int, _Layout] = {}  # by length; all of one set of adapters
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0  # graphs captured so far
@@ -115,7 +132,34 @@ class GraphedStep:
         cap = self.job.microbatch_tokens
         return cap is None or sum(len(g) for g in groups) * length <= cap
 
+    def wants(self, n_adapters: int) -> bool:
+        """Whether a step of `n_adapters` should be replayed: always, unless choosing, where a
+        pack size first times eager steps, then replayed ones, then keeps its choice."""
+        if not self.choose:
+            return True
+        size = n_adapters.bit_length()
+        if size in self.chosen:
+            return self.chosen[size]
+        return len(self.timings.get(size, {}).get(False, ())) >= TRIAL_STEPS
+
+    def record(self, n_adapters: int, replayed: bool, seconds: float, tokens: int, timed: bool) -> None:
+        """A finished step, for the choice: `timed` is False for a step that compiled kernels
+        or captured a graph, which says nothing of the steady state."""
+        size = n_adapters.bit_length()
+        if not (self.choose and timed) or size in self.chosen:
+            return
+        timings = self.timings.setdefault(size, {False: [], True: []})
+        timings[replayed].append((seconds, tokens))
+        if min(len(timings[False]), len(timings[True])) >= TRIAL_STEPS:
+            rate = {k: sum(n for _, n in v) / max(sum(t for t, _ in v), 1e-9) for k, v in timings.items()}
+            self.chosen[size] = rate[True] >= rate[False]
+            logger.info("packs of %d-%d adapters train %.0f real tokens/s replayed from CUDA graphs and %.0f "
+                        "eagerly: they run %s", 2 ** (size - 1), 2 ** size - 1, rate[True], rate[False],
+                        "replayed" if self.chosen[size] else "eagerly")
+
     def takes(self, groups) -> bool:
+        """Whether this step runs here: its own bucket fits the job's cap (else it runs eagerly,
+        in microbatches)."""
         return self._fits(groups, self.length(groups))
 
     def run(self, adapters, groups, stepping: list[bool]) -> tuple[list[float], list[float]]:
@@ -130,7 +174,8 @@ class GraphedStep:
         if new:
             layout = self._new_layout(adapters, groups, length)
         self._stage(layout, groups, stepping)
-        if new and self.capture:
+        self.captured = new and self.capture
+        if self.captured:
             try:
                 self._capture(layout)
             except Exception as e:  # noqa: BLE001 - whatever stops a capture sends the job back to eager steps

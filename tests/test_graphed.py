@@ -12,7 +12,7 @@ import torch
 import lora_sweep as ls
 from lora_sweep.data import Sample
 from lora_sweep.engine import Failed, PackedJob
-from lora_sweep.graphed import CAPTURE_AFTER, GraphedStep
+from lora_sweep.graphed import CAPTURE_AFTER, TRIAL_STEPS, GraphedStep
 from lora_sweep.layers import SegmentTable, layer_seed_table
 from lora_sweep.optim import DEVICE_COLS, PackedAdamW, lr_lambda
 
@@ -151,6 +151,35 @@ def test_slot_step_isolates_a_failing_adapter(tiny_llama_dir, toy_data, tmp_path
         assert torch.equal(results[0][t], results[1][t])
 
 
-def test_cuda_graphs_is_a_bool(tiny_llama_dir, toy_data, tmp_path):
-    with pytest.raises(ls.ConfigError, match="cuda_graphs"):
-        make_spec(tiny_llama_dir, toy_data, tmp_path, cuda_graphs="yes")
+def test_cuda_graphs_takes_a_bool_or_auto(tiny_llama_dir, toy_data, tmp_path):
+    for bad in ("yes", 1, None):
+        with pytest.raises(ls.ConfigError, match="cuda_graphs"):
+            make_spec(tiny_llama_dir, toy_data, tmp_path, cuda_graphs=bad)
+    assert make_spec(tiny_llama_dir, toy_data, tmp_path).cuda_graphs == "auto"
+
+
+def test_auto_keeps_the_step_that_trains_faster(tiny_llama_dir, toy_data, tmp_path):
+    """`cuda_graphs="auto"`: per pack size, TRIAL_STEPS timed eager steps, then TRIAL_STEPS timed
+    replayed ones (steps that compile or capture are not timed), then the faster one."""
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path), [], progress=False)
+    step = GraphedStep(job, capture=False, choose=True)
+    wanted = []
+    for seconds in (9.0, 1.0, 1.0, 1.0, 9.0, 0.5, 0.5, 0.5, 0.1):  # 16 adapters; 100 tokens a step
+        replayed = step.wants(16)
+        wanted.append(replayed)
+        step.record(16, replayed, seconds, 100, timed=seconds != 9.0)
+    assert wanted == [False] * 4 + [True] * 5 and step.chosen == {5: True}
+    assert not step.wants(3)  # another pack size times its own
+    for replayed, seconds in [(False, 1.0)] * TRIAL_STEPS + [(True, 2.0)] * TRIAL_STEPS:
+        step.record(3, replayed, seconds, 100, timed=True)
+    assert step.chosen[2] is False and not step.wants(3) and step.wants(31)
+
+    # a job's steps follow it: eager, then replayed, then whichever it chose
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "job", eval_every=100), four_trials()[:2],
+                    progress=False)
+    job.graphed_step = GraphedStep(job, capture=False, choose=True)
+    for _ in range(2 * TRIAL_STEPS + 3):
+        job.step()
+    graphed = [s["graphed"] for s in job.step_stats]
+    choice = job.graphed_step.chosen[2]
+    assert graphed == [False] * (TRIAL_STEPS + 1) + [True] * TRIAL_STEPS + [choice] * 2

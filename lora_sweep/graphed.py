@@ -101,7 +101,7 @@ class GraphedStep:
         self.chosen: dict[int, bool] = {}
         self.captured = False  # whether the last step captured a graph
         self.layouts: dict[int, _Layout] = {}  # by length; all of one set of adapters
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = None  # the graphs' shared memory pool, made at the first capture
         self.captures = 0  # graphs captured so far
         self.wait_s = 0.0  # how long the host waited for the last step's replay to finish
         self.asked: dict[int, int] = {}  # steps that fell in each bucket
@@ -276,6 +276,8 @@ class GraphedStep:
                 self._forward_backward(layout)
             main.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
             with retain_tables(layout.tables), torch.cuda.graph(graph, pool=self.pool):
                 self._step(layout)
         layout.graph = graph

@@ -183,3 +183,25 @@ def test_auto_keeps_the_step_that_trains_faster(tiny_llama_dir, toy_data, tmp_pa
     graphed = [s["graphed"] for s in job.step_stats]
     choice = job.graphed_step.chosen[2]
     assert graphed == [False] * (TRIAL_STEPS + 1) + [True] * TRIAL_STEPS + [choice] * 2
+
+
+def test_a_failed_capture_sends_the_job_back_to_eager_steps(tiny_llama_dir, toy_data, tmp_path, monkeypatch):
+    """A capture that raises (out of memory, an op a graph cannot hold) trains nothing: the job
+    warns, drops its graphs and takes that step and the next ones eagerly, as a job without them."""
+    def capture_fails(self, layout):
+        raise torch.OutOfMemoryError("CUDA out of memory while capturing")
+
+    monkeypatch.setattr(GraphedStep, "_capture", capture_fails)
+    weights = []
+    for graphs in (False, True):
+        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphs), eval_every=100),
+                        four_trials()[:2], progress=False)
+        if graphs:
+            job.graphed_step = GraphedStep(job)
+            with pytest.warns(UserWarning, match="capturing the training step in a CUDA graph failed: CUDA out of"):
+                job.step()
+            assert job.graphed_step is None and not job.step_stats[-1]["graphed"]
+        while len(job.step_stats) < 4:
+            job.step()
+        weights.append([job.optimizer.adapters[t].flat.clone() for t in ("a", "b")])
+    assert all(torch.equal(x, y) for x, y in zip(*weights))

@@ -114,7 +114,7 @@ TRIALS = st.lists(st.builds(
     gradient_accumulation_steps=st.integers(1, 8)), min_size=1, max_size=6)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trials=TRIALS, num_gpus=st.integers(-1, 4), memory=st.floats(-10, 200), seq=st.integers(-5, 8192),
        model=st.sampled_from(["llama-3.2-1b", "qwen2.5-7b", "no-such-model"]))
 def test_planner_inputs_give_a_plan_or_a_config_error(trials, num_gpus, memory, seq, model):

@@ -21,6 +21,7 @@ an empty cache (`compile_offline`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 
@@ -117,10 +118,18 @@ def compile_fused_layer(capability: int) -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module", params=sorted(GPUS))
-def kernels_for(request) -> tuple[int, list[dict]]:
+@pytest.fixture(scope="module")
+def compiles():
+    """Every GPU's compile, started at once, two at a time (CI's two cores): each is one
+    single-threaded process of its own."""
     pytest.importorskip("triton")
-    return request.param, compile_in_fresh_process(__file__, str(request.param))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        yield {c: pool.submit(compile_in_fresh_process, __file__, str(c)) for c in sorted(GPUS)}
+
+
+@pytest.fixture(scope="module", params=sorted(GPUS))
+def kernels_for(request, compiles) -> tuple[int, list[dict]]:
+    return request.param, compiles[request.param].result()
 
 
 def test_every_kernel_fits_the_gpus_shared_memory_and_registers(kernels_for):

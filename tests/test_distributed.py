@@ -69,7 +69,9 @@ def assert_same_training(got: list[dict], want: list[dict]) -> None:
 
 
 def test_two_ranks_train_what_one_trains_with_a_join_and_a_leave(base_args, tmp_path):
-    args = {**base_args, "scenario": "join_leave"}
+    # two 32-token rows per microbatch: the ranks run different numbers of forwards per step
+    # (rank 0 with a and c: two for training, six per evaluation; rank 1 with b: one and three)
+    args = {**base_args, "scenario": "join_leave", "microbatch_tokens": 64}
     one = in_process({**args, "out": str(tmp_path / "d1")})
     proc = torchrun({**args, "out": str(tmp_path / "d2")}, tmp_path / "args.json")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,8 +12,9 @@ itself) and then
   checkpoints it and saves its PEFT files in the shared `output_dir`. Adapter parameters are
   plain local tensors: their gradients never cross ranks;
 - takes membership from rank 0 only: `add_trial` / `remove_trial` on other ranks are ignored
-  (every rank runs the same script), and rank 0's queued changes are broadcast at each step
-  boundary and applied by every rank in the same order, so every rank knows every owner;
+  (every rank runs the same script), and rank 0's queued changes go to every rank at each step
+  boundary (one `all_gather_object`, with each rank's trial count) and are applied by every rank
+  in the same order, so every rank knows every owner;
 - keeps the ranks in lockstep, since FSDP all-gathers each layer in the forward and in the
   backward: before a phase the ranks agree on its number of forwards, and a rank with fewer
   (or no trials at all) runs the rest on a dummy row (one position, no adapters, a loss of
@@ -39,15 +40,12 @@ off in a d-rank job.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective waiting longer than this means a peer is stuck
 

@@ -35,6 +35,7 @@ from typing import Iterator, Optional, Union
 import torch
 from tqdm.auto import tqdm
 
+from . import distributed
 from .attention import sliding_window, use_packed_attention
 from .config import ConfigError, JobSpec, TrialConfig, check_against_model, check_trial_id, trial_file_name
 from .data import Sample, SampleStream, collate, load_rows, to_device, tokenize_rows
@@ -256,6 +257,11 @@ class PackedJob:
     next step. A trial with an invalid config, or whose loss or gradient stops being finite,
     is removed with a `Failed` event and its pack-mates carry on unchanged.
 
+    Under ``torchrun --nproc-per-node d`` the same script makes one job over the d ranks:
+    the frozen base is sharded with FSDP2, each trial is trained by one rank, trials are
+    added and removed through rank 0 (calls on other ranks are ignored) at the next step
+    boundary, and rank 0 yields every rank's events (`lora_sweep.distributed`).
+
     Example:
 
         spec = ls.JobSpec(base_model=ls.tiny_model_path(), train_data=train, eval_data=dev,
@@ -277,6 +283,11 @@ class PackedJob:
         self.spec = spec
         self.pack_id = pack_id or f"pack-{uuid.uuid4().hex[:8]}"
         self.device = resolve_device(spec)
+        # under torchrun (or in a process group the script made): one job over the group's ranks,
+        # each training its own trials (distributed.py); None on a single process
+        self.ranks = distributed.attach(self.device)
+        if self.ranks is not None and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(spec, self.device)
         self.adapter_dtype = torch.float32  # adapters train in fp32 on a bf16 base, as PEFT does
         # output_dir and rows are checked before the (slow) model load, so bad settings fail fast
@@ -291,6 +302,8 @@ class PackedJob:
         fuse_rms_norms(self.model)
         fuse_gated_mlps(self.model)
         self.body, self.lm_head_weight = split_causal_lm(self.model)
+        if self.ranks is not None:
+            distributed.shard_base(self.body)
         # Microbatch layout. On CUDA samples are packed back to back in one row, no padding
         # waste, with an attention that keeps them apart (attention.packed_attention); a step
         # replayed from a CUDA graph pads them into slots instead (graphed.py). On CPU
@@ -335,7 +348,7 @@ class PackedJob:
         self.optimizer = PackedAdamW()
         # the step replayed from CUDA graphs (graphed.py), where it can be; else None: eager steps
         self.graphed_step = GraphedStep(self, choose=spec.cuda_graphs == "auto") \
-            if spec.cuda_graphs and graphs_supported(self) else None
+            if spec.cuda_graphs and graphs_supported(self) and self.ranks is None else None
         self.active: dict[str, _Adapter] = {}  # trial_id -> state, in join order
         self.finished: dict[str, str] = {}  # trial_id -> adapter dir
         self.waiting: deque[dict] = deque()  # snapshots of adapters moved out after an OOM
@@ -346,7 +359,9 @@ class PackedJob:
         self._events: deque[Event] = deque()
         self._next_id = 0
         self.step_stats: list[dict] = []  # one dict per job step, for the cost model
-        self.progress = progress
+        self.progress = progress and (self.ranks is None or self.ranks.rank == 0)
+        self._global_active = 0  # trials active on all ranks and whether rank 0 has changes queued,
+        self._global_pending = False  # as of the last step boundary (a d-rank job)
         self._running = False
         self._lock = threading.RLock()  # add/remove may come from another thread (Ray actor calls)
         self._bar: Optional[tqdm] = None  # the progress bar while run() iterates
@@ -379,9 +394,11 @@ class PackedJob:
                 tid = str(cfg["trial_id"])  # rejected with a Failed event when it is applied
         else:
             tid = None
+        if self.ranks is not None and self.ranks.rank != 0:  # rank 0 speaks for every rank
+            return tid
         with self._lock:  # one lock with run()'s start and end: no step can begin in between
             self._pending.append(("add", cfg, state))
-            if not self._running:  # outside run() there is no step to wait for
+            if not self._running and self.ranks is None:  # outside run() there is no step to wait for
                 self._apply_membership_locked()
         return tid
 
@@ -389,20 +406,36 @@ class PackedJob:
         """Drop a trial at the next step boundary (pruned or stopped by the tuner). Unknown or
         already finished trials are ignored. Removes and adds apply in the order they were
         asked: removing `x` then adding a new `x` trains the new one."""
+        if self.ranks is not None and self.ranks.rank != 0:
+            return
         with self._lock:
             self._pending.append(("remove", str(trial_id), None))
-            if not self._running:
+            if not self._running and self.ranks is None:
                 self._apply_membership_locked()
 
     def _new_id(self) -> str:
-        while f"trial-{self._next_id}" in self.active or f"trial-{self._next_id}" in self.finished:
+        owners = self.ranks.owners if self.ranks is not None else {}
+        while any(f"trial-{self._next_id}" in ids for ids in (self.active, self.finished, owners)):
             self._next_id += 1
         self._next_id += 1
         return f"trial-{self._next_id - 1}"
 
     def _apply_membership(self) -> None:
+        if self.ranks is None:
+            with self._lock:
+                self._apply_membership_locked()
+            return
+        # a d-rank job: rank 0's queued changes go to every rank, each applies those of its own trials
         with self._lock:
+            ops = list(self._pending)
+            self._pending.clear()
+        gathered = self.ranks.all_gather((ops, len(self.active)))
+        mine = self.ranks.route(gathered[0][0], [load for _, load in gathered])
+        with self._lock:
+            # changes queued on rank 0 since the gather wait for the next boundary
+            later, self._pending = self._pending, deque(mine)
             self._apply_membership_locked()
+            self._pending = later
 
     def _apply_membership_locked(self) -> None:
         pending = list(self._pending)
@@ -572,12 +605,12 @@ class PackedJob:
                     signal.signal(signal.SIGTERM, previous)
                     os.kill(os.getpid(), signal.SIGTERM)
                 with self._lock:  # leave only if no trial was added since the membership update
-                    if not self.active and not self._pending:
+                    if not self._any_active() and not self._any_pending():
                         self._running = False
                         return
-                if not self.active:
+                if not self._any_active():
                     continue
-                self._train_step()
+                self._step_all_ranks()
                 yield from self._drain_events()
         finally:
             self._running = False
@@ -600,15 +633,58 @@ class PackedJob:
         adapter one micro-step, and return the events that produced. For callers that drive
         the loop themselves (benchmarks, custom schedulers)."""
         self._apply_membership()
-        if self.active:
-            self._train_step()
+        if self.ranks is not None:
+            self._share_events()
+        if self._any_active():
+            self._step_all_ranks()
+        if self.ranks is not None:
+            self._share_events()
         events = list(self._events)
         self._events.clear()
         return events
 
     def _drain_events(self) -> Iterator[Event]:
+        if self.ranks is not None:
+            self._share_events()
         while self._events:
             yield self._events.popleft()
+
+    def _step_all_ranks(self) -> None:
+        """`_train_step`; in a d-rank job, a failed collective inside it (FSDP's, in the forward)
+        becomes the job's `PeerFailure`."""
+        try:
+            self._train_step()
+        except Exception as e:
+            if self.ranks is not None and distributed.from_collective(e):
+                raise self.ranks.failure(e) from e
+            raise
+
+    def _any_active(self) -> bool:
+        """Whether a trial is active on any rank (as of the last step boundary, in a d-rank job)."""
+        return bool(self.active) if self.ranks is None else self._global_active > 0
+
+    def _any_pending(self) -> bool:
+        return bool(self._pending) if self.ranks is None else self._global_pending
+
+    def _share_events(self) -> None:
+        """A d-rank job's step boundary: every rank's events go to rank 0 (rank 0 records the
+        others' finished adapters), and every rank learns how many trials are active in all,
+        whether rank 0 has membership changes queued and whether any rank got a SIGTERM (then
+        all of them checkpoint and stop at the same boundary)."""
+        with self._lock:
+            pending = bool(self._pending)
+        events = list(self._events)
+        self._events.clear()
+        gathered = self.ranks.all_gather((events, len(self.active), pending, getattr(self, "_sigterm", False)))
+        self._global_active = sum(active for _, active, _, _ in gathered)
+        self._global_pending = gathered[0][2]
+        self._sigterm = any(sigterm for *_, sigterm in gathered)
+        if self.ranks.rank == 0:
+            for rank, (rank_events, *_) in enumerate(gathered):
+                self._events.extend(rank_events)
+                for e in rank_events:
+                    if rank != 0 and isinstance(e, Finished):
+                        self.finished[e.trial_id] = e.adapter_dir
 
     def _install_sigterm_handler(self):
         """On SIGTERM, checkpoint every adapter at the next step boundary, then exit as asked.
@@ -628,6 +704,9 @@ class PackedJob:
         adapters = list(self.active.values())
         if not self.model.training:  # train() visits every module: thousands with many adapters
             self.model.train()
+        if not adapters:  # a rank of a d-rank job with no trial of its own: it keeps the others' pace
+            self._idle_step()
+            return
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # step_stats report this step's peak
 
@@ -696,6 +775,14 @@ class PackedJob:
             self._events.append(Failed(tid, step, reason))
         self._after_optimizer_step(ok)
 
+    def _idle_step(self) -> None:
+        """A d-rank job's step on a rank without trials: as many dummy forward/backwards as the
+        busiest rank runs, then as many dummy eval forwards."""
+        for _ in range(self.ranks.max(0)):
+            self.ranks.dummy_pass(self, backward=True)
+        if self.eval_samples:
+            self.evaluate([])
+
     def _graphed_micro_step(self, adapters, groups, stepping):
         """The micro-step through `graphed_step` where it takes it: (loss sums, gradient norms),
         with the stepping adapters' optimizer update done; else None. A layout that cannot be
@@ -747,6 +834,7 @@ class PackedJob:
     def _run_microbatches(self, adapters, plan, counts, accum):
         sums = torch.zeros(len(adapters), device=self.device)
         grads: dict[int, list[torch.Tensor]] = {}
+        extra = self.ranks.max(len(plan)) - len(plan) if self.ranks is not None else 0  # keep the ranks' pace
         for parts in plan:  # parts: [(adapter index, samples)], adapters in job order
             index = [i for i, _ in parts]
             groups = [samples for _, samples in parts]
@@ -763,6 +851,8 @@ class PackedJob:
                 mine, flat = list(flat[:n]), flat[n:]
                 grads[i] = mine if i not in grads else torch._foreach_add(grads[i], mine)
             sums = sums.index_add(0, idx, part_sums.detach())
+        for _ in range(extra):
+            self.ranks.dummy_pass(self, backward=True)
         return sums, grads
 
     def _padded_tokens(self, parts) -> int:
@@ -841,7 +931,7 @@ class PackedJob:
             elif self.spec.checkpoint_every and a.step % self.spec.checkpoint_every == 0:
                 self._guarded(a, "writing its checkpoint", self._write_checkpoint, a)
         to_eval = [a for a in to_eval if a.trial_id in self.active]
-        if to_eval:
+        if to_eval or self.ranks is not None:  # every rank of a d-rank job takes part in every evaluation
             eval_losses = self._evaluate_each_alone_on_error(to_eval) if self.eval_samples else {}
             for a in to_eval:
                 if a.trial_id not in self.active:
@@ -873,7 +963,10 @@ class PackedJob:
 
     def _evaluate_each_alone_on_error(self, adapters: list[_Adapter]) -> dict[str, float]:
         """`evaluate` for all of `adapters` at once; if that raises, each alone, so that an error
-        fails only the trial it came from."""
+        fails only the trial it came from. In a d-rank job an evaluation is a collective: it runs
+        once, all adapters together."""
+        if self.ranks is not None:
+            return self.evaluate([a.trial_id for a in adapters])
         if len(adapters) > 1:
             try:
                 return self.evaluate([a.trial_id for a in adapters])
@@ -929,24 +1022,37 @@ class PackedJob:
     @torch.no_grad()
     def evaluate(self, trial_ids: Optional[list[str]] = None) -> dict[str, float]:
         """Mean token loss on the eval set for each of `trial_ids` (default: all active),
-        all adapters packed into the same eval forwards."""
-        adapters = [self.active[t] for t in (trial_ids if trial_ids is not None else list(self.active))]
-        if not adapters or not self.eval_samples:
-            return {}
+        all adapters packed into the same eval forwards.
+
+        In a d-rank job every rank must call it (it runs the base's forwards in lockstep); each
+        rank evaluates those of `trial_ids` it trains and returns their losses."""
+        if self.ranks is None:
+            adapters = [self.active[t] for t in (trial_ids if trial_ids is not None else list(self.active))]
+            if not adapters or not self.eval_samples:
+                return {}
+        else:
+            adapters = [self.active[t] for t in (trial_ids if trial_ids is not None else self.active)
+                        if t in self.active]
+            if not self.eval_samples:
+                return {}
         self.model.eval()
         sums = torch.zeros(len(adapters), dtype=torch.float64)
         counts = torch.zeros(len(adapters), dtype=torch.float64)
         size = self.spec.eval_batch_size
-        for start in range(0, len(self.eval_samples), size):
-            chunk = self.eval_samples[start : start + size]
-            for parts in self._microbatches([chunk] * len(adapters)):
-                index = [i for i, _ in parts]
-                try:
-                    s, c = self._adapter_losses([adapters[i] for i in index], [g for _, g in parts], train=False)
-                finally:
-                    self.segments.clear()
-                sums.index_add_(0, torch.tensor(index), s.double().cpu())
-                counts.index_add_(0, torch.tensor(index), c.double().cpu())
+        chunks = [self.eval_samples[start : start + size] for start in range(0, len(self.eval_samples), size)]
+        plan = [parts for chunk in chunks for parts in self._microbatches([chunk] * len(adapters))] if adapters \
+            else []
+        extra = self.ranks.max(len(plan)) - len(plan) if self.ranks is not None else 0  # the busiest rank's count
+        for parts in plan:
+            index = [i for i, _ in parts]
+            try:
+                s, c = self._adapter_losses([adapters[i] for i in index], [g for _, g in parts], train=False)
+            finally:
+                self.segments.clear()
+            sums.index_add_(0, torch.tensor(index), s.double().cpu())
+            counts.index_add_(0, torch.tensor(index), c.double().cpu())
+        for _ in range(extra):
+            self.ranks.dummy_pass(self, backward=False)
         return {a.trial_id: float(s / c) for a, s, c in zip(adapters, sums, counts)}
 
     @torch.no_grad()

@@ -1,0 +1,166 @@
+"""A packed job over d ranks of one host, on torch.distributed.
+
+The script a user writes for one GPU, run under ``torchrun --nproc-per-node d``, spans the d
+ranks: `PackedJob` finds the launcher's environment (or a process group the script made
+itself) and then
+
+- shards the frozen base with FSDP2 (`fully_shard` on each decoder layer, then the decoder
+  body), so each rank holds 1/d of it and all-gathers one layer at a time. The LM head stays
+  whole on every rank: the loss reads its weight outside the body's forward;
+- gives each trial to exactly one rank (its owner, the rank with the fewest trials when it
+  joins, ties to the lowest), which alone creates its adapter, trains it on its own rows,
+  checkpoints it and saves its PEFT files in the shared `output_dir`. Adapter parameters are
+  plain local tensors: their gradients never cross ranks;
+- takes membership from rank 0 only: `add_trial` / `remove_trial` on other ranks are ignored
+  (every rank runs the same script), and rank 0's queued changes go to every rank at each step
+  boundary (one `all_gather_object`, with each rank's trial count) and are applied by every rank
+  in the same order, so every rank knows every owner;
+- keeps the ranks in lockstep, since FSDP all-gathers each layer in the forward and in the
+  backward: before a phase the ranks agree on its number of forwards, and a rank with fewer
+  (or no trials at all) runs the rest on a dummy row (one position, no adapters, a loss of
+  zero that still reaches every layer's backward);
+- gathers every rank's events to rank 0 at each step boundary: rank 0's `run()` / `step()`
+  yields them all, the other ranks yield nothing. Only events travel: adapters and
+  checkpoints are written by their owner into the shared `output_dir` (one host). `trials`,
+  `trial_state` and `save_adapter` of an active trial are per rank (the owner's);
+  `evaluate` is a collective that every rank must call.
+
+A collective that fails (a peer died: gloo raises on the closed connection, or the process
+group's timeout passed) stops the job with a `PeerFailure` naming the rank count; starting
+the same command again resumes every trial from its checkpoints (`JobSpec.checkpoint_every`).
+
+Not built yet: the integrations' launch of d > 1 (`PackedLoRASampler(devices=...)`,
+`PackedExecutor(gpus_per_server=...)`, `lora-sweep run`), loading a base larger than host
+memory directly sharded (meta device), tensor parallelism, and the cost model for d > 1.
+Out-of-memory retries are not agreed between ranks: one rank's retry or eviction breaks the
+lockstep, and the job stops with a `PeerFailure` (at the latest on the timeout). CUDA graphs are
+off in a d-rank job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+TIMEOUT = datetime.timedelta(minutes=10)  # a collective waiting longer than this means a peer is stuck
+
+
+class PeerFailure(RuntimeError):
+    """A collective of a d-rank job failed: a peer rank died or stopped answering."""
+
+
+def from_collective(error: BaseException) -> bool:
+    """Whether `error` came out of a collective: torch.distributed's own errors, or the
+    RuntimeError gloo and NCCL raise (FSDP's all-gathers run inside the model's forward)."""
+    if isinstance(error, PeerFailure):
+        return False
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(word in str(error) for word in ("gloo", "NCCL", "Connection"))
+
+
+def attach(device: torch.device) -> Optional["Ranks"]:
+    """The ranks of this job: a process group already made by the script, or one made here from
+    torchrun's environment (gloo on CPU, NCCL on CUDA, with a finite timeout). None on a single
+    process (no launcher, or a world of one)."""
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return None
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+    if dist.get_world_size() == 1:
+        return None
+    return Ranks()
+
+
+def shard_base(body: nn.Module) -> None:
+    """FSDP2 over the frozen decoder: each layer its own unit, then the body (embeddings and
+    final norm). Call it after the layers are wrapped and fused, so FSDP manages the modules
+    the forward runs; adapters added later stay outside it."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(body, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(body).__name__} has no `layers` list of decoder layers to shard.")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(body)
+
+
+class Ranks:
+    """This process's place among the job's ranks, and the few collectives the engine uses.
+    Python objects and counts go over gloo (a group of their own when the job's is NCCL)."""
+
+    def __init__(self):
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.owners: dict[str, int] = {}  # trial_id -> the rank that trains it, identical on every rank
+
+    def _collective(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - whatever the backend raises for a dead or stuck peer
+            raise self.failure(e) from e
+
+    def failure(self, error: BaseException) -> PeerFailure:
+        return PeerFailure(
+            f"The packed job on {self.size} ranks stopped: a collective failed on rank {self.rank} "
+            f"({type(error).__name__}: {error}). Another rank probably died or stopped answering. Start the "
+            "job again (the same command) to resume its trials from their checkpoints (checkpoint_every).")
+
+    def all_gather(self, value) -> list:
+        """Every rank's `value`, in rank order, on every rank."""
+        out = [None] * self.size
+        self._collective(dist.all_gather_object, out, value, self.group)
+        return out
+
+    def max(self, value: int) -> int:
+        """The largest of every rank's `value`."""
+        t = torch.tensor([value], dtype=torch.long)
+        self._collective(dist.all_reduce, t, dist.ReduceOp.MAX, self.group)
+        return int(t.item())
+
+    def route(self, ops: list, loads: list[int]) -> list:
+        """The membership changes (rank 0's, the same list on every rank) this rank applies, in
+        order. A trial goes to its earlier owner if it had one (so that a second trial of a
+        running id is rejected where the first runs), else to the rank with the fewest trials
+        (`loads`, every rank's count before these changes); a removal goes to every rank."""
+        loads = list(loads)
+        mine = []
+        for op in ops:
+            kind, item, _ = op
+            if kind == "remove":
+                mine.append(op)
+                continue
+            tid = item.trial_id if hasattr(item, "trial_id") else item.get("trial_id") if isinstance(item, dict) \
+                else None
+            owner = self.owners.get(str(tid)) if tid is not None else None
+            if owner is None:
+                owner = min(range(self.size), key=lambda r: (loads[r], r))
+                loads[owner] += 1
+                if tid is not None:
+                    self.owners[str(tid)] = owner
+            if owner == self.rank:
+                mine.append(op)
+        return mine
+
+    def dummy_pass(self, job, backward: bool) -> None:
+        """One forward (and backward) of the base on a single position without adapters, so
+        that this rank takes part in the all-gathers of a forward it has no rows for. Its input
+        requires grad, so the backward runs through every layer; its loss is zero."""
+        hidden = job.model.config.hidden_size
+        x = torch.zeros(1, 1, hidden, device=job.device, dtype=job.dtype, requires_grad=backward)
+        job.segments.clear()
+        with torch.enable_grad() if backward else torch.no_grad():
+            out = job.body(inputs_embeds=x, use_cache=False).last_hidden_state
+            if backward:
+                torch.autograd.grad(out.float().sum() * 0.0, x)

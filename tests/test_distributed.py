@@ -1,0 +1,111 @@
+"""A packed job over two ranks (torchrun, gloo on CPU) trains what it trains on one process.
+
+The script is tests/distributed_worker.py, as a user would write it for one GPU; under
+``torchrun --nproc-per-node 2`` it spans both ranks (FSDP2 over the frozen base, each trial
+trained by one rank). Everything is fp32 on CPU with rows padded to max_seq_len.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distributed_worker import run_job
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+REPO = WORKER.parent.parent
+
+
+def torchrun(args: dict, path: Path) -> subprocess.CompletedProcess:
+    """The worker under torchrun on two ranks with `args`; its output and exit status."""
+    path.write_text(json.dumps(args))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(WORKER), str(path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def in_process(args: dict) -> list[dict]:
+    """The worker's job on this one process (d = 1)."""
+    _, seen = run_job(args)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def base_args(tiny_llama_dir, toy_data):
+    train, dev = toy_data
+    return {"model_dir": tiny_llama_dir, "train": train, "eval": dev[:6], "kill_at": None}
+
+
+def key(event: dict) -> tuple:
+    return event["kind"], event["trial_id"], event["step"]
+
+
+def weights(event: dict) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(event["adapter_dir"], "adapter_model.safetensors"))
+
+
+def assert_same_training(got: list[dict], want: list[dict]) -> None:
+    """The same events, losses within 1e-5 relative, saved adapters within 1e-4 relative."""
+    assert sorted(map(key, got)) == sorted(map(key, want))
+    wanted = {key(e): e for e in want}
+    for e in got:
+        w = wanted[key(e)]
+        if e["metrics"] is not None:
+            for name in ("train_loss", "eval_loss"):
+                assert math.isclose(e["metrics"][name], w["metrics"][name], rel_tol=1e-5), (key(e), name)
+        if e["kind"] == "Finished":
+            a, b = weights(e), weights(w)
+            assert a.keys() == b.keys()
+            for k in a:
+                assert ((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() < 1e-4, (key(e), k)
+
+
+def test_two_ranks_train_what_one_trains_with_a_join_and_a_leave(base_args, tmp_path):
+    # two 32-token rows per microbatch: the ranks run different numbers of forwards per step
+    # (rank 0 with a and c: two for training, six per evaluation; rank 1 with b: one and three)
+    args = {**base_args, "scenario": "join_leave", "microbatch_tokens": 64}
+    one = in_process({**args, "out": str(tmp_path / "d1")})
+    proc = torchrun({**args, "out": str(tmp_path / "d2")}, tmp_path / "args.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "d2" / "result.json").read_text())
+    assert result["sharded"]  # the frozen base is FSDP2-sharded over the ranks
+    # a, c on rank 0 and b on rank 1; d joins (asked for on a's report) on rank 1, the emptier one,
+    # and c on rank 0 leaves when b's report on rank 1 asks for it
+    assert result["owners"] == {"a": 0, "b": 1, "c": 0, "d": 1}
+    two = result["events"]
+    assert sorted(e["trial_id"] for e in two if e["kind"] == "Finished") == ["a", "b", "d"]
+    assert not any(e["kind"] == "Failed" for e in two)
+    # c, stepping every second job step, left at job step 4 after its step-2 report
+    assert [key(e) for e in two if e["trial_id"] == "c"] == [("Report", "c", 2)]
+    assert_same_training(two, one)
+    assert "rank 1 done" in proc.stdout  # the other rank ran the whole job and yielded nothing
+
+
+def test_a_killed_rank_stops_the_job_and_a_restart_resumes_from_checkpoints(base_args, tmp_path):
+    args = {**base_args, "scenario": "plain", "out": str(tmp_path / "d2")}
+    killed = torchrun({**args, "kill_at": 5}, tmp_path / "killed.json")  # rank 1 dies at its 5th step
+    assert killed.returncode != 0
+    log = killed.stdout + killed.stderr
+    assert "PeerFailure: The packed job on 2 ranks stopped" in log
+    assert "resume its trials from their checkpoints" in log
+    assert not (tmp_path / "d2" / "result.json").exists()
+    assert sorted(os.listdir(tmp_path / "d2" / "checkpoints")) == ["a.pt", "b.pt", "c.pt"]
+
+    resumed = torchrun(args, tmp_path / "resumed.json")  # the same command again
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    events = json.loads((tmp_path / "d2" / "result.json").read_text())["events"]
+    first_report = {t: min(e["step"] for e in events if e["trial_id"] == t) for t in ("a", "b", "c")}
+    # from their step-4 (a, b) and step-2 (c, accumulating over two micro-steps) checkpoints
+    assert first_report == {"a": 6, "b": 6, "c": 4}
+    uninterrupted = in_process({**args, "out": str(tmp_path / "d1")})
+    finished = [e for e in events if e["kind"] == "Finished"]
+    assert sorted(e["trial_id"] for e in finished) == ["a", "b", "c"]
+    assert_same_training(finished, [e for e in uninterrupted if e["kind"] == "Finished"])

@@ -18,7 +18,7 @@ One graph per layout (length, adapters) holds the whole micro-step: forward, per
 backward, gradient accumulation, clipping and AdamW (`PackedAdamW.step_on_device`). Before a
 replay the host writes the step's values into the graph's static buffers (token ids, targets,
 each adapter's loss weight, lr, step count and whether it steps, every layer's dropout seeds)
-with three copies from pinned memory; after it, one copy brings back each adapter's loss sum
+with four copies from pinned memory; after it, one copy brings back each adapter's loss sum
 and gradient norm. A join or leave changes the layout: the graphs are dropped and the next
 step captures again (a warm-up forward/backward, then the capture: about two eager steps).
 The graphs of all buckets share one memory pool, since one runs at a time.

@@ -322,8 +322,8 @@ def _write(result: dict, path: str) -> None:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'method':12} {'dropout':>7} {'K':>4} {'tokens/s':>10} {'steady':>8} {'step s':>8} {'GB/proc':>8} {'GPU busy':>8} "
-             f"{'host s':>7}  status"]
+    lines = [f"{'method':12} {'dropout':>7} {'K':>4} {'tokens/s':>10} {'steady':>8} {'step s':>8} {'GB/proc':>8} "
+             f"{'GPU busy':>8} {'host s':>7}  status"]
     for r in result["runs"]:
         tps = f"{r['tokens_per_s']:10.0f}" if r.get("tokens_per_s") else f"{'-':>10}"
         steady = f"{r['steady_tokens_per_s']:8.0f}" if r.get("steady_tokens_per_s") else f"{'-':>8}"
@@ -331,7 +331,8 @@ def table(result: dict) -> str:
         mem = f"{r.get('peak_reserved_gb_per_process', 0.0):8.1f}"
         busy = f"{r['gpu_busy_share']:8.0%}" if "gpu_busy_share" in r else f"{'-':>8}"
         host = f"{r['host_s_per_step']:7.3f}" if "host_s_per_step" in r else f"{'-':>7}"
-        lines.append(f"{r['method']:12} {r['dropout']:7.2f} {r['k']:4d} {tps} {steady} {step} {mem} {busy} {host}  {r['status']}")
+        lines.append(f"{r['method']:12} {r['dropout']:7.2f} {r['k']:4d} {tps} {steady} {step} {mem} {busy} {host}  "
+                     f"{r['status']}")
     return "\n".join(lines)
 
 

@@ -215,9 +215,6 @@ class _DoesNotFit(Exception):
     """A step ran out of memory with a single sample in every microbatch."""
 
 
-_atomic_write = atomic_write
-
-
 def _remove_path(path: str) -> None:
     """Delete a file, or a directory standing where a file belongs; a missing one is fine."""
     if os.path.isdir(path) and not os.path.islink(path):
@@ -983,8 +980,7 @@ class PackedJob:
     def _finish(self, a: _Adapter, metrics: dict) -> None:
         """Save the adapter, then its result file (the files' SHA-256 in it), both atomically;
         only then is the trial finished. Non-finite weights fail it instead."""
-        params = self.optimizer.adapters[a.trial_id].params
-        if not all(bool(torch.isfinite(p).all()) for p in params):
+        if not bool(torch.isfinite(self.optimizer.adapters[a.trial_id].flat).all()):  # every weight, one read
             raise FloatingPointError(f"non-finite adapter weights after step {a.step}")
         path = self._adapter_dir(a.trial_id)
         checksums = self._write_adapter(a, path)
@@ -1145,7 +1141,7 @@ class PackedJob:
             if os.path.lexists(path):
                 _remove_path(path)
             return None
-        if not isinstance(snapshot, dict) or snapshot.get("config") != cfg.to_dict():
+        if snapshot["config"] != cfg.to_dict():
             logger.warning("ignoring the checkpoint of trial %s: it belongs to another config", cfg.trial_id)
             return None
         return snapshot

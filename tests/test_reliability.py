@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import lora_sweep as ls
-from lora_sweep.engine import Failed, Finished, PackedJob, Report, _atomic_write
+from lora_sweep.engine import Failed, Finished, PackedJob, Report
+from lora_sweep.export import atomic_write
 
 from test_engine_equivalence import make_spec, run_packed
 
@@ -88,7 +89,7 @@ def test_adapter_that_cannot_fit_moves_out_and_comes_back(tiny_llama_dir, toy_da
 
 def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path):
     path = str(tmp_path / "ckpt" / "a.pt")
-    _atomic_write(path, b"good")
+    atomic_write(path, b"good")
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:  # a writer killed after its temporary file, before the rename
         f.write(b"half")

@@ -146,9 +146,11 @@ def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, gpu_busy:
     for k in range(warmup + steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        job.step()
+        failed = [e for e in job.step() if isinstance(e, ls.Failed)]
         end.record()
         torch.cuda.synchronize()
+        if failed:  # a timing of the trials left would not be the one asked for
+            raise RuntimeError(f"trial {failed[0].trial_id} failed at step {k}: {failed[0].reason}")
         if k >= warmup:
             times.append(start.elapsed_time(end) / 1e3)
     stats = job.step_stats[warmup:]
@@ -159,6 +161,7 @@ def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, gpu_busy:
               "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "step_stats": stats}
     if gpu_busy:
         result.update(gpu_profile(job))
+    job.release_locks()  # the next job of the same trial ids writes to the same output_dir
     del job
     strip_adapters(model)
     torch.cuda.empty_cache()

@@ -33,13 +33,15 @@ def multi_lora_linear(
     dropout_p: Sequence[float],
     seg_lens: Sequence[int],  # rows per adapter, sum == tokens, zeros allowed
     seed: Seeds = 0,
+    frame=None,  # a `frame.TableFrame` whose current layout is `seg_lens`: the Triton path's tables
 ) -> torch.Tensor:
     """`x @ weight.T + bias` plus `scale_i * dropout_i(x_i) @ A_i.T @ B_i.T` on segment i,
     differentiable in x, A_i and B_i. See `reference_multi_lora_linear` for the semantics."""
     if uses_triton(x):
         from .multi_lora import triton_multi_lora_linear
 
-        return triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seed)
+        return triton_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seed,
+                                        frame=frame)
     return reference_multi_lora_linear(x, weight, bias, lora_a, lora_b, scales, dropout_p, seg_lens, seed)
 
 

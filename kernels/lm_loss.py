@@ -58,7 +58,7 @@ def _chunk_loss(h, weight, t, need_grad):
 
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, seg_lens, chunk_rows, lens_on_device):
+    def forward(ctx, hidden, weight, targets, seg_lens, chunk_rows):
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if need_grad else None
         sums, counts = [], []
@@ -73,7 +73,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             zero = hidden.new_zeros((), dtype=torch.float32)
             sums.append(torch.stack(chunk_sums).sum() if chunk_sums else zero)
             counts.append((targets[start : start + rows] != IGNORE_INDEX).sum())
-        ctx.seg_lens, ctx.lens_on_device = seg_lens, lens_on_device
+        ctx.seg_lens = seg_lens
         if need_grad:
             ctx.save_for_backward(grad)
         loss_sums = torch.stack(sums) if sums else hidden.new_zeros(0, dtype=torch.float32)
@@ -84,12 +84,43 @@ class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_sums, g_counts):
         (grad,) = ctx.saved_tensors
-        lens = ctx.lens_on_device
-        if lens is None:
-            lens = torch.tensor(ctx.seg_lens)  # pinned and asynchronous: no wait for the GPU mid-backward
-            lens = lens.pin_memory().to(grad.device, non_blocking=True) if grad.is_cuda else lens
+        lens = torch.tensor(ctx.seg_lens)  # pinned and asynchronous: no wait for the GPU mid-backward
+        lens = lens.pin_memory().to(grad.device, non_blocking=True) if grad.is_cuda else lens
         row_scale = g_sums.float().repeat_interleave(lens, output_size=grad.shape[0])  # (N,)
-        return (grad * row_scale[:, None]).to(grad.dtype), None, None, None, None, None
+        return (grad * row_scale[:, None]).to(grad.dtype), None, None, None, None
+
+
+class _ChunkedLMLossRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_rows):
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(hidden) if need_grad else None
+        losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for c0 in range(0, hidden.shape[0], chunk_rows):
+            c1 = min(c0 + chunk_rows, hidden.shape[0])
+            losses[c0:c1], g = _chunk_loss(_aligned(hidden[c0:c1]), weight, targets[c0:c1], need_grad)
+            if need_grad:
+                grad[c0:c1] = g
+        if need_grad:
+            ctx.save_for_backward(grad)
+        return losses
+
+    @staticmethod
+    def backward(ctx, g_rows):
+        (grad,) = ctx.saved_tensors
+        return (grad * g_rows.float()[:, None]).to(grad.dtype), None, None, None
+
+
+def lm_loss_rows(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
+                 chunk_rows: Optional[int] = None) -> torch.Tensor:
+    """fp32 [N]: each row's token cross-entropy against `targets` (0 where IGNORE_INDEX),
+    differentiable in `hidden`: the rows of `per_adapter_lm_loss` before any sum, in fixed
+    chunks of `chunk_rows` whatever the rows belong to. Its work depends on N only, so a CUDA
+    graph replays it for any layout of the rows."""
+    if targets.shape != (hidden.shape[0],):
+        raise ValueError(f"targets must be [{hidden.shape[0]}], got {tuple(targets.shape)}.")
+    chunk_rows = default_chunk_rows(lm_head_weight.shape[0]) if chunk_rows is None else int(chunk_rows)
+    return _ChunkedLMLossRows.apply(hidden, lm_head_weight.detach(), targets, chunk_rows)
 
 
 def per_adapter_lm_loss(
@@ -98,14 +129,9 @@ def per_adapter_lm_loss(
     targets: torch.Tensor,  # [N] int64 (IGNORE_INDEX = -100 rows count nothing)
     seg_lens: Sequence[int],  # rows per adapter, sum == N
     chunk_rows: Optional[int] = None,  # default: default_chunk_rows(V)
-    lens_on_device: Optional[torch.Tensor] = None,  # seg_lens as int64 on hidden's device, if at hand
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_sums fp32 [n_adapters], token_counts int64 [n_adapters]): each adapter's summed
-    token cross-entropy and its number of counted tokens; differentiable in `hidden` only.
-
-    The backward needs `seg_lens` on the device; without `lens_on_device` it copies them
-    there from pinned memory, which a CUDA graph must not capture (the pinned buffer is
-    not the graph's to keep)."""
+    token cross-entropy and its number of counted tokens; differentiable in `hidden` only."""
     seg_lens = tuple(int(s) for s in seg_lens)
     if any(s < 0 for s in seg_lens) or sum(seg_lens) != hidden.shape[0]:
         raise ValueError(f"seg_lens must be >= 0 and sum to hidden's {hidden.shape[0]} rows, got {list(seg_lens)}.")
@@ -116,7 +142,7 @@ def per_adapter_lm_loss(
     chunk_rows = default_chunk_rows(lm_head_weight.shape[0]) if chunk_rows is None else int(chunk_rows)
     if chunk_rows < 1:
         raise ValueError(f"The value of `chunk_rows` is {chunk_rows}, but must be `chunk_rows >= 1`.")
-    return _ChunkedLMLoss.apply(hidden, lm_head_weight.detach(), targets, seg_lens, chunk_rows, lens_on_device)
+    return _ChunkedLMLoss.apply(hidden, lm_head_weight.detach(), targets, seg_lens, chunk_rows)
 
 
 def reference_per_adapter_lm_loss(

@@ -19,7 +19,6 @@ Nothing here imports Triton: the CPU reference path never needs it.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -455,39 +454,28 @@ class LoRABatchMeta:
         out_features: int,
         device: torch.device,
         config: KernelConfig,
+        frame=None,
     ) -> "LoRABatchMeta":
-        """The tables of one call. The shared part comes from a cache keyed by the layout;
-        `seeds` is one int per adapter, or already an int64 tensor on `device`."""
-        ranks = tuple(0 if a is None or rows == 0 else int(a.shape[0]) for a, rows in zip(lora_a, seg_lens))
-        shared = _shared_tables(tuple(int(s) for s in seg_lens), ranks, tuple(float(s) for s in scales),
-                                tuple(float(p) for p in dropout_p), in_features, out_features,
-                                torch.device(device), config)
+        """The tables of one call. The shared part comes from a cache keyed by the layout, or
+        from `frame` (a `frame.TableFrame`, whose tables change layout in place); `seeds` is
+        one int per adapter, or already an int64 tensor on `device`."""
+        scales, dropout_p = tuple(float(s) for s in scales), tuple(float(p) for p in dropout_p)
+        if frame is None:
+            ranks = tuple(0 if a is None or rows == 0 else int(a.shape[0]) for a, rows in zip(lora_a, seg_lens))
+            shared = _shared_tables(tuple(int(s) for s in seg_lens), ranks, scales, dropout_p, in_features,
+                                    out_features, torch.device(device), config)
+        else:  # every segment of a frame has rows (`TableFrame`), whatever its current length
+            ranks = tuple(0 if a is None else int(a.shape[0]) for a in lora_a)
+            shared = frame.shared(seg_lens, ranks, scales, dropout_p, in_features, out_features,
+                                  torch.device(device), config)
         if not isinstance(seeds, torch.Tensor):
             seeds = _seed_table(tuple(normalize_seed(s) for s in seeds), torch.device(device))
         if seeds.shape != (len(ranks),) or seeds.dtype != torch.int64:
             raise ValueError(f"Expected one int64 seed per adapter ({len(ranks)}), got {tuple(seeds.shape)} "
                              f"{seeds.dtype}.")
-        for keep in _retainers:
-            keep.append(shared)
         meta = copy.copy(shared)
         meta.seeds = seeds
         return meta
-
-
-# The lists `retain_tables` is filling.
-_retainers: list[list] = []
-
-
-@contextlib.contextmanager
-def retain_tables(keep: list):
-    """While inside, the tables of every call (`LoRABatchMeta.build`) are also appended to
-    `keep`. A CUDA graph reads the device tables of the calls it captured at every replay, so
-    their owner keeps them alive after the cache has let them go."""
-    _retainers.append(keep)
-    try:
-        yield keep
-    finally:
-        _retainers.remove(keep)
 
 
 @functools.lru_cache(maxsize=64)
@@ -495,6 +483,14 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
                    out_features: int, device: torch.device, config: KernelConfig) -> LoRABatchMeta:
     """Every table of a call but the seeds; cached, since all layers of one shape in a
     microbatch share it (and a model has only a few shapes)."""
+    return make_shared_tables(seg_lens, ranks, scales, dropout_p, in_features, out_features, device, config)
+
+
+def make_shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tuple, in_features: int,
+                       out_features: int, device: torch.device, config: KernelConfig,
+                       frame=None) -> LoRABatchMeta:
+    """`_shared_tables`, uncached. With a `frame` (`frame.TableFrame`), the tables are sized
+    for any layout the frame admits and every launch choice holds for all of them."""
     bm = config.block_m
     if config.chunk_rows % bm:
         raise ValueError(f"`chunk_rows` ({config.chunk_rows}) must be a multiple of `block_m` ({bm}).")
@@ -509,37 +505,42 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
     has_lora = tuple(r > 0 for r in ranks)
     n_sms = sm_count(device)
     chunk_rows = reduce_chunk_rows(seg_lens, has_lora, max(da_programs, db_programs), config, n_sms)
-    tiles, block_tiles, chunks, chunk_first, chunk_count, tile_rows = _routing_tables(seg_lens, has_lora, bm,
-                                                                                     chunk_rows, device)
+    tiles, block_tiles, chunks, chunk_first, chunk_count = routing_rows(seg_lens, has_lora, bm, chunk_rows)
+    tile_rows = [(i, r1 - r0) for i, r0, r1 in tiles]
+    rows_i = adapter_int_rows(seg_lens, ranks, dropout_p, chunk_first, chunk_count)
+    rows_f = [(scales[i], 1.0 / (1.0 - (check_dropout_p(dropout_p[i]) if rank else 0.0)))
+              for i, rank in enumerate(ranks)]
+    longest_chunk = min(chunk_rows, max((rows for rows, lora in zip(seg_lens, has_lora) if lora), default=0))
+    max_chunks_per_adapter = max(chunk_count, default=0)
+    if frame is None:
+        tiles_t, block_tiles_t, chunks_t = _routing_tables(seg_lens, has_lora, bm, chunk_rows, device)
+        adapters_i = device_table(rows_i, len(ADAPTER_INT_COLS), torch.int64, device)
+        n_tiles = len(tiles)
+    else:  # room for the most tiles and chunks of any layout of the frame, in one buffer
+        n_tiles, n_chunks = frame.capacity(has_lora, bm, chunk_rows)
+        buffer = torch.empty(frame.table_size(n_tiles, n_chunks, len(block_tiles), len(ranks)), dtype=torch.int64,
+                             device=device)
+        tiles_t, block_tiles_t, chunks_t, adapters_i = frame.views(buffer, n_tiles, n_chunks, len(ranks))
+        longest_chunk, max_chunks_per_adapter = frame.longest_chunks(has_lora, chunk_rows)
     stage_bytes, n_rank_blocks = shrink_stage_bytes(device), cdiv(max_rank, block_r)
-    mask_m, mask_k = shrink_blocks(tiles.shape[0], n_rank_blocks, block_r, config, n_sms, stage_bytes)
-    shrink_m, shrink_k = shrink_blocks(tiles.shape[0], n_rank_blocks, block_r, config, n_sms, stage_bytes,
+    mask_m, mask_k = shrink_blocks(n_tiles, n_rank_blocks, block_r, config, n_sms, stage_bytes)
+    shrink_m, shrink_k = shrink_blocks(n_tiles, n_rank_blocks, block_r, config, n_sms, stage_bytes,
                                        split_min_rows(config, block_r))
     # programs that shrink something: past a segment's rows or an adapter's rank they return at once
     shrink_programs = sum(cdiv(rows, shrink_m) * cdiv(ranks[i], block_r) for i, rows in tile_rows)
 
-    rows_i, rows_f = [], []
-    start = r_offset = 0
-    for i, (rows, rank) in enumerate(zip(seg_lens, ranks)):
-        p = check_dropout_p(dropout_p[i]) if rank else 0.0
-        rows_i.append((rank, start, keep_threshold(p), r_offset, chunk_first[i], chunk_count[i]))
-        rows_f.append((scales[i], 1.0 / (1.0 - p)))
-        # an adapter with no rows is not packed and gets no gradient (None), as in the reference
-        r_offset += rank
-        start += rows
-
-    return LoRABatchMeta(
-        tiles=tiles,
-        block_tiles=block_tiles,
-        chunks=chunks,
-        adapters_i=device_table(rows_i, len(ADAPTER_INT_COLS), torch.int64, device),
+    meta = LoRABatchMeta(
+        tiles=tiles_t,
+        block_tiles=block_tiles_t,
+        chunks=chunks_t,
+        adapters_i=adapters_i,
         adapters_f=device_table(rows_f, len(ADAPTER_FLOAT_COLS), torch.float32, device),
-        n_tiles=tiles.shape[0],
-        n_blocks=block_tiles.shape[0] - 1,
-        n_chunks=chunks.shape[0],
+        n_tiles=n_tiles,
+        n_blocks=len(block_tiles) - 1,
+        n_chunks=chunks_t.shape[0],
         chunk_rows=chunk_rows,
-        longest_chunk=min(chunk_rows, max((rows for rows, lora in zip(seg_lens, has_lora) if lora), default=0)),
-        max_chunks_per_adapter=max(chunk_count, default=0),
+        longest_chunk=longest_chunk,
+        max_chunks_per_adapter=max_chunks_per_adapter,
         max_rank=max_rank,
         rank_stride=max(16, cdiv(max_rank, 16) * 16),
         block_r=block_r,
@@ -552,9 +553,23 @@ def _shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: tupl
         sm_count=n_sms,
         has_dropout=any(r > 0 and p > 0 for r, p in zip(ranks, dropout_p)),
         ranks=ranks,
-        r_total=r_offset,
+        r_total=sum(ranks),
         config=config,
     )
+    return meta
+
+
+def adapter_int_rows(seg_lens, ranks, dropout_p, chunk_first, chunk_count) -> list[tuple]:
+    """The per-adapter int table (`ADAPTER_INT_COLS`) of a layout. An adapter with no rows is
+    not packed and gets no gradient (None), as in the reference: its rank is 0."""
+    rows_i = []
+    start = r_offset = 0
+    for i, (rows, rank) in enumerate(zip(seg_lens, ranks)):
+        p = check_dropout_p(dropout_p[i]) if rank else 0.0
+        rows_i.append((rank, start, keep_threshold(p), r_offset, chunk_first[i], chunk_count[i]))
+        r_offset += rank
+        start += rows
+    return rows_i
 
 
 @functools.lru_cache(maxsize=256)
@@ -569,13 +584,12 @@ def device_table(rows, width, dtype, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=dtype).reshape(-1, width).to(device, non_blocking=True)
 
 
-@functools.lru_cache(maxsize=64)
-def _routing_tables(seg_lens: tuple, has_lora: tuple, block_m: int, chunk_rows: int, device: torch.device):
-    """Tile, row-block and chunk tables of a segment layout. Every layer of a microbatch
-    shares them, so they are built and copied to the device once per layout (they hold no
-    adapter pointers). Tiles are cut at adapters' first rows and at multiples of `block_m`,
-    so each lies in one row block, and the row blocks' tiles are runs of the tile table. Also
-    each tile's (adapter, rows), on the host."""
+def routing_rows(seg_lens, has_lora, block_m: int, chunk_rows: int):
+    """Tile, row-block and chunk tables of a segment layout, as host lists: (tiles, block_tiles,
+    chunks, each adapter's first chunk, each adapter's chunk count). Tiles are cut at
+    adapters' first rows and at multiples of `block_m`, so each lies in one row block, and the
+    row blocks' tiles are runs of the tile table. Every layer of a microbatch shares them
+    (they hold no adapter pointers)."""
     tiles, chunks, first, count = [], [], [], []
     start = 0
     for i, (rows, lora) in enumerate(zip(seg_lens, has_lora)):
@@ -589,7 +603,14 @@ def _routing_tables(seg_lens: tuple, has_lora: tuple, block_m: int, chunk_rows: 
         start = end
     # the first tile of each row block, then the tile count: tiles come in row order
     block_tiles = [t for t, (_, r0, _) in enumerate(tiles) if r0 % block_m == 0] + [len(tiles)]
+    return tiles, block_tiles, chunks, tuple(first), tuple(count)
+
+
+@functools.lru_cache(maxsize=64)
+def _routing_tables(seg_lens: tuple, has_lora: tuple, block_m: int, chunk_rows: int, device: torch.device):
+    """`routing_rows`' tile, row-block and chunk tables on the device: built and copied once
+    per layout, and shared by the shapes whose chunks are as long."""
+    tiles, block_tiles, chunks, _, _ = routing_rows(seg_lens, has_lora, block_m, chunk_rows)
     return (device_table(tiles, len(TILE_COLS), torch.int64, device),
             device_table(block_tiles, 1, torch.int64, device).reshape(-1),
-            device_table(chunks, len(TILE_COLS), torch.int64, device), tuple(first), tuple(count),
-            tuple((i, r1 - r0) for i, r0, r1 in tiles))
+            device_table(chunks, len(TILE_COLS), torch.int64, device))

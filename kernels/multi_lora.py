@@ -257,9 +257,12 @@ def triton_multi_lora_linear(
     seg_lens: Sequence[int],
     seed: Seeds = 0,
     config: Optional[KernelConfig] = None,
+    frame=None,
 ) -> torch.Tensor:
     """The Triton path of `multi_lora_linear`, on any device Triton runs on (CUDA, or CPU
-    tensors under TRITON_INTERPRET=1). `config` overrides the per-shape block sizes."""
+    tensors under TRITON_INTERPRET=1). `config` overrides the per-shape block sizes; with a
+    `frame` (`frame.TableFrame`) the tables are the frame's, which a CUDA graph replays for
+    each of its layouts."""
     _check_inputs(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens)
     seg_lens = [int(s) for s in seg_lens]
     # a tensor of seeds (one per adapter, int64, on x's device) is used as it is
@@ -268,7 +271,7 @@ def triton_multi_lora_linear(
     if config is None:
         config = config_for(max_rank, x.is_cuda, fuses_base(x.device, x.element_size()))
     meta = LoRABatchMeta.build(seg_lens, lora_a, lora_b, scales, dropout_p, seeds,
-                               weight.shape[1], weight.shape[0], x.device, config)
+                               weight.shape[1], weight.shape[0], x.device, config, frame=frame)
     # an adapter with no rows is not packed and gets no gradient (None), as in the reference
     used = [i for i, r in enumerate(meta.ranks) if r]
     return _TritonMultiLoRALinear.apply(x, weight, bias, meta, *(lora_a[i] for i in used),

@@ -303,7 +303,8 @@ class PackedJob:
             distributed.shard_base(self.body)
         # Microbatch layout. On CUDA samples are packed back to back in one row, no padding
         # waste, with an attention that keeps them apart (attention.packed_attention); a step
-        # replayed from a CUDA graph pads them into slots instead (graphed.py). On CPU
+        # replayed from a CUDA graph packs them so too, then pads the row to a token bucket
+        # (graphed.py). On CPU
         # each sample gets a row padded to the microbatch's longest sample. padding="max_seq_len"
         # pads every row to max_seq_len: then the backward's reductions over the sequence run in
         # the same order whoever the pack-mates are (bit-identical isolation), at the cost of
@@ -719,7 +720,7 @@ class PackedJob:
             counts = [sum(s.loss_tokens for s in g) for g in groups]
             mean_values = [s / c if c else math.nan for s, c in zip(sums, counts)]
             norm_values = [n for n, s in zip(norm_values, steps_now) if s]
-            padded_tokens, microbatches = sum(len(g) for g in groups) * self.graphed_step.last_length, 1
+            padded_tokens, microbatches = self.graphed_step.last_tokens, 1
             gpu_wait_s = self.graphed_step.wait_s
         else:
             # forward / backward, in microbatches under the memory cap

@@ -32,12 +32,16 @@ class SegmentTable:
     steps: list[int] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
     num_layers: int = 0  # MultiLoRALinear layers reading this table (set when they are made)
+    # the kernels' tables of a CUDA graph's step (`kernels.frame.TableFrame`), whose current
+    # layout is `tokens`; None: tables of the layout itself
+    frame: object = None
     _layer_seeds: dict = field(default_factory=dict, repr=False)
 
-    def set(self, names, tokens, steps=None, seeds=None) -> None:
+    def set(self, names, tokens, steps=None, seeds=None, frame=None) -> None:
         self.names, self.tokens = list(names), [int(t) for t in tokens]
         self.steps = [int(s) for s in steps] if steps is not None else [0] * len(self.names)
         self.seeds = [int(s) for s in seeds] if seeds is not None else [0] * len(self.names)
+        self.frame = frame
         self._layer_seeds = {}
 
     def clear(self) -> None:
@@ -58,6 +62,11 @@ class SegmentTable:
         layers' device, `layer_seed_table`'s values) instead of computing them. A CUDA graph
         captures the reads of `rows`; its owner refills them before every replay."""
         self._layer_seeds = {rows.device: rows}
+
+
+# The name of the rows after a step's samples that a CUDA graph pads its tokens with: no
+# adapter has it (adapter names are word characters), so they get the base layer alone.
+PADDING_SEGMENT = "<padding>"
 
 
 def layer_seed_table(seeds, steps, num_layers: int) -> np.ndarray:
@@ -158,7 +167,8 @@ class MultiLoRALinear(nn.Module):
             dropout_p = (0.0,) * len(dropout_p)
         out = multi_lora_linear(flat, self.base_layer.weight, self.base_layer.bias, lora_a, lora_b, scales,
                                 dropout_p, table.tokens,
-                                table.dropout_seeds(self.layer_index, x.device if uses_triton(x) else None))
+                                table.dropout_seeds(self.layer_index, x.device if uses_triton(x) else None),
+                                frame=table.frame)
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

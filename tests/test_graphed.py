@@ -3,7 +3,6 @@ own step trains, and its optimizer update is `PackedAdamW.step`'s."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 import lora_sweep as ls
 from lora_sweep.data import Sample
 from lora_sweep.engine import Failed, PackedJob
-from lora_sweep.graphed import CAPTURE_AFTER, TRIAL_STEPS, GraphedStep
+from lora_sweep.graphed import TRIAL_STEPS, GraphedStep, token_bucket
 from lora_sweep.layers import SegmentTable, layer_seed_table
 from lora_sweep.optim import DEVICE_COLS, PackedAdamW, lr_lambda
 
@@ -82,39 +81,42 @@ def test_layer_seed_table_is_what_layers_compute():
     assert len({int(v) for v in rows.reshape(-1)}) == 15  # every (layer, adapter) its own stream
 
 
-def test_buckets(tiny_llama_dir, toy_data, tmp_path):
+def test_token_buckets(tiny_llama_dir, toy_data, tmp_path):
+    assert [token_bucket(n) for n in (1, 63, 64, 100, 3466, 3583, 3584)] == [64, 64, 128, 128, 3584, 3584, 4096]
+    assert all(n < token_bucket(n) <= 1.25 * n + 64 for n in range(1, 20000, 7))
     job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path, max_seq_len=100), [], progress=False)
     step = GraphedStep(job, capture=False)
 
     def sample(n):
         return Sample(tuple(range(n)), tuple(range(n)))
 
-    assert [step.length([[sample(n)]]) for n in (1, 32, 33, 64, 65, 80, 81, 100)] == \
-        [32, 32, 64, 64, 80, 80, 100, 100]
-    # a rare bucket pads up to a longer captured one until it has been asked for CAPTURE_AFTER times
-    step.layouts[100] = None
-    assert [step._length_to_run([[sample(20)]]) for _ in range(CAPTURE_AFTER + 1)] == \
-        [100] * (CAPTURE_AFTER - 1) + [32, 32]
-    job.microbatch_tokens = 2 * 64  # and never past the job's cap on tokens per forward
-    assert not step.takes([[sample(70), sample(1)]]) and step.takes([[sample(60), sample(1)]])
-    assert step._length_to_run([[sample(50)], [sample(50)]]) == 64
+    assert step.bucket([[sample(30), sample(40)], [sample(60)]]) == token_bucket(130)
+    # a bucket runs padded in a larger captured one until that padding has cost a capture's time
+    step.layouts[256], step.capture_s = None, 1.0
+
+    def run_once():
+        step.last_tokens = step._bucket_to_run([[sample(20)]])
+        step.record(1, True, 1.0, 20, timed=True)  # each step padded to 256 loses 0.75 s of its 1 s
+        return step.last_tokens
+
+    assert [run_once() for _ in range(4)] == [256, 256, 64, 64]
+    assert step.padding_s == {64: 1.5}
+    job.microbatch_tokens = 128  # and never past the job's cap on tokens per forward
+    assert step.takes([[sample(70), sample(1)]]) and not step.takes([[sample(70)], [sample(60)]])
+    assert step._bucket_to_run([[sample(50)], [sample(50)]]) == 128
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_slot_step_trains_as_the_job_step(tiny_llama_dir, toy_data, tmp_path, dropout):
+def test_graphed_step_trains_as_the_job_step(tiny_llama_dir, toy_data, tmp_path, dropout):
     """Four trials (ranks 4-16, batches 1-3, an accumulation window of 2, cosine and constant
-    schedules, clipping, rsLoRA, attention-only targets), eight steps: the slot layout's step
-    (padding to the bucket, the optimizer from its device table) trains the same adapters as
-    the job's own step, to fp32 rounding. A dropout mask is drawn by row of the adapter's
-    segment, so a batch's second sample draws another mask in another layout: with dropout
-    the trials take batches of one."""
+    schedules, clipping, rsLoRA, attention-only targets, dropout), eight steps: the graphed
+    step (padding to the bucket, the layout in static buffers, the optimizer from its device
+    table) trains the same adapters as the job's own step, to fp32 rounding."""
     trials = four_trials(dropout)
-    if dropout:
-        trials = [dataclasses.replace(t, batch_size=1) for t in trials]
     weights, losses = [], []
     for graphed in (False, True):
-        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphed), eval_every=100), trials,
-                        progress=False)
+        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphed), eval_every=100,
+                                  padding="packed"), trials, progress=False)
         if graphed:
             job.graphed_step = GraphedStep(job, capture=False)
         for _ in range(8):
@@ -129,13 +131,13 @@ def test_slot_step_trains_as_the_job_step(tiny_llama_dir, toy_data, tmp_path, dr
         assert rel(weights[1][t], weights[0][t]) < 1e-5
 
 
-def test_slot_step_isolates_a_failing_adapter(tiny_llama_dir, toy_data, tmp_path):
-    """An adapter whose weights turn non-finite fails alone in the slot step, and its
+def test_graphed_step_isolates_a_failing_adapter(tiny_llama_dir, toy_data, tmp_path):
+    """An adapter whose weights turn non-finite fails alone in the graphed step, and its
     pack-mates' weights after that step are bit-identical to a run where it stays healthy."""
     results = []
     for poison in (False, True):
-        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(poison), eval_every=100),
-                        four_trials()[:3], progress=False)
+        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(poison), eval_every=100,
+                                  padding="packed"), four_trials()[:3], progress=False)
         job.graphed_step = GraphedStep(job, capture=False)
         events = []
         for k in range(4):
@@ -175,8 +177,8 @@ def test_auto_keeps_the_step_that_trains_faster(tiny_llama_dir, toy_data, tmp_pa
     assert step.chosen[2] is False and not step.wants(3) and step.wants(31)
 
     # a job's steps follow it: eager, then replayed, then whichever it chose
-    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "job", eval_every=100), four_trials()[:2],
-                    progress=False)
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "job", eval_every=100, padding="packed"),
+                    four_trials()[:2], progress=False)
     job.graphed_step = GraphedStep(job, capture=False, choose=True)
     for _ in range(2 * TRIAL_STEPS + 3):
         job.step()
@@ -194,7 +196,7 @@ def test_a_failed_capture_sends_the_job_back_to_eager_steps(tiny_llama_dir, toy_
     monkeypatch.setattr(GraphedStep, "_capture", capture_fails)
     weights = []
     for graphs in (False, True):
-        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphs), eval_every=100),
+        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphs), eval_every=100, padding="packed"),
                         four_trials()[:2], progress=False)
         if graphs:
             job.graphed_step = GraphedStep(job)

@@ -37,12 +37,10 @@ def rows():
 
 
 def trials():
-    # dropout on batch-1 trials only: a mask is drawn by row of the adapter's segment, and the
-    # rows of a batch's later samples differ between the packed and the slot layouts
     return [ls.TrialConfig(rank=r, alpha=2 * r, learning_rate=lr, batch_size=b, dropout=p, max_steps=10**6, seed=i,
                            trial_id=f"t{i}")
             for i, (r, lr, b, p) in enumerate([(8, 1e-3, 2, 0.0), (16, 3e-4, 4, 0.0), (64, 5e-4, 1, 0.05),
-                                               (3, 1e-3, 3, 0.0), (16, 5e-4, 1, 0.1)])]
+                                               (3, 1e-3, 3, 0.1), (16, 5e-4, 1, 0.1)])]
 
 
 def train(tmp_path, graphs: bool, schedule=None, poison=None, run="run"):
@@ -83,7 +81,7 @@ def test_graphed_step_trains_like_the_eager_step(tmp_path):
     graphed, job, _ = train(tmp_path, graphs=True)
     eager, eager_job, _ = train(tmp_path, graphs=False)
     assert all(s["graphed"] for s in job.step_stats) and not any(s["graphed"] for s in eager_job.step_stats)
-    assert 1 <= job.graphed_step.captures <= 4  # one per length bucket the steps fell in
+    assert job.graphed_step.captures == len({s["padded_tokens"] for s in job.step_stats})  # one per bucket run
     close(graphed, eager, first=1e-2, drift=3e-2)
     for tid in eager:
         assert graphed[tid][-1] < graphed[tid][0]

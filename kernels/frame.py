@@ -1,0 +1,119 @@
+"""Routing tables of a fixed shape whose contents change between calls: what a CUDA graph replays.
+
+A graph replays each kernel with the grid, block sizes and table addresses of the call it
+recorded. A `TableFrame` lets the same recorded calls serve every layout of `tokens` rows
+cut into the same segments in the same order, segment i at most `caps[i]` rows:
+
+* its tables (`LoRABatchMeta.build(..., frame=)`) have room for the most tiles and chunks of
+  any such layout: `tokens / block_m` row blocks plus one tile per segment boundary, and
+  each LoRA segment's chunks at its cap. The unused entries are empty rows (`tokens` to
+  `tokens`) of the last segment, which has no LoRA: the kernels skip them;
+* every launch choice that reads the layout (chunk length, the longest chunk, whether an
+  adapter's gradient takes a second stage) is made for the caps, so it holds for all;
+* `fill(seg_lens)` writes a new layout into every table built so far, one copy per shape
+  from pinned memory, queued on the current stream before the replay that reads it.
+
+The last segment is the padding after the samples (no adapter, any length, zero included).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .metadata import ADAPTER_INT_COLS, TILE_COLS, adapter_int_rows, cdiv, make_shared_tables, routing_rows
+
+_INT = len(ADAPTER_INT_COLS)
+_TILE = len(TILE_COLS)
+
+
+class TableFrame:
+    """Fixed-shape tables for layouts of `sum(seg_lens)` rows in `len(seg_lens)` segments,
+    segment i at most `caps[i]` rows; `seg_lens` is the first layout they hold."""
+
+    def __init__(self, seg_lens: Sequence[int], caps: Sequence[int]):
+        self.tokens = sum(int(s) for s in seg_lens)
+        self.caps = tuple(min(int(c), self.tokens) for c in caps)
+        if len(self.caps) != len(seg_lens):
+            raise ValueError(f"Expected one cap per segment ({len(seg_lens)}), got {len(self.caps)}.")
+        self.seg_lens = self._check(seg_lens)
+        # build key -> (shared meta, its device table buffer, its pinned host twin, dropout rates)
+        self._tables: dict[tuple, tuple] = {}
+
+    def _check(self, seg_lens) -> tuple:
+        seg_lens = tuple(int(s) for s in seg_lens)
+        if len(seg_lens) != len(self.caps) or sum(seg_lens) != self.tokens:
+            raise ValueError(f"A layout of this frame has {len(self.caps)} segments of {self.tokens} rows in all, "
+                             f"got {list(seg_lens)}.")
+        over = [i for i, (n, c) in enumerate(zip(seg_lens[:-1], self.caps)) if not 0 < n <= c]
+        if over:
+            i = over[0]
+            raise ValueError(f"Segment {i} of a frame must have 1 to {self.caps[i]} rows, got {seg_lens[i]}.")
+        return seg_lens
+
+    # --- what `make_shared_tables` asks while it builds a framed meta
+
+    def capacity(self, has_lora, block_m: int, chunk_rows: int) -> tuple[int, int]:
+        """(tile entries, chunk entries) that hold every layout of the frame."""
+        tiles = cdiv(self.tokens, block_m) + len(self.caps) - 1
+        lora_caps = [c for c, lora in zip(self.caps, has_lora) if lora]
+        chunks = min(self.tokens // chunk_rows + len(lora_caps), sum(cdiv(c, chunk_rows) for c in lora_caps))
+        return tiles, chunks
+
+    def longest_chunks(self, has_lora, chunk_rows: int) -> tuple[int, int]:
+        """(the longest chunk, the most chunks of one adapter) of any layout of the frame."""
+        lora_caps = [c for c, lora in zip(self.caps, has_lora) if lora]
+        return min(chunk_rows, max(lora_caps, default=0)), max((cdiv(c, chunk_rows) for c in lora_caps), default=0)
+
+    def table_size(self, n_tiles: int, n_chunks: int, n_block_entries: int, n_adapters: int) -> int:
+        return _TILE * n_tiles + n_block_entries + _TILE * n_chunks + _INT * n_adapters
+
+    def views(self, buffer: torch.Tensor, n_tiles: int, n_chunks: int, n_adapters: int):
+        """The tile, row-block, chunk and adapter tables as views of one int64 buffer."""
+        n_block_entries = buffer.numel() - (_TILE * n_tiles + _TILE * n_chunks + _INT * n_adapters)
+        tiles, blocks, chunks, adapters = buffer.split([_TILE * n_tiles, n_block_entries, _TILE * n_chunks,
+                                                        _INT * n_adapters])
+        return tiles.view(n_tiles, _TILE), blocks, chunks.view(n_chunks, _TILE), adapters.view(n_adapters, _INT)
+
+    # --- the framed metas, and filling them
+
+    def shared(self, seg_lens, ranks: tuple, scales: tuple, dropout_p: tuple, in_features: int, out_features: int,
+               device: torch.device, config):
+        """The framed tables (every one but the seeds) of a call of this shape, built at its
+        first call from the frame's current layout (`seg_lens` must be it)."""
+        if self._check(seg_lens) != self.seg_lens:
+            raise ValueError(f"The frame holds layout {list(self.seg_lens)}, the call has {list(seg_lens)}.")
+        if ranks[-1]:
+            raise ValueError("The last segment of a frame is its padding and must have no LoRA.")
+        key = (ranks, scales, dropout_p, in_features, out_features, device, config)
+        if key not in self._tables:
+            meta = make_shared_tables(self.seg_lens, ranks, scales, dropout_p, in_features, out_features, device,
+                                      config, frame=self)
+            buffer = meta.tiles._base  # the one buffer all four tables are views of (`views`)
+            host = torch.empty(buffer.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+            self._tables[key] = (meta, buffer, host, dropout_p)
+            self._write(self._tables[key], self.seg_lens)
+        return self._tables[key][0]
+
+    def fill(self, seg_lens: Sequence[int]) -> None:
+        """Make every table of the frame hold layout `seg_lens` from the next kernel queued on
+        the current stream on. The pinned twins are reused: the caller waits for the kernels
+        that read the previous layout before filling again."""
+        self.seg_lens = self._check(seg_lens)
+        for entry in self._tables.values():
+            self._write(entry, self.seg_lens)
+
+    def _write(self, entry, seg_lens) -> None:
+        meta, buffer, host, dropout_p = entry
+        has_lora = tuple(r > 0 for r in meta.ranks)
+        tiles, block_tiles, chunks, first, count = routing_rows(seg_lens, has_lora, meta.config.block_m,
+                                                                meta.chunk_rows)
+        pad = (len(seg_lens) - 1, self.tokens, self.tokens)  # empty rows of the padding segment
+        tiles_h, blocks_h, chunks_h, adapters_h = self.views(host, meta.n_tiles, meta.n_chunks, len(meta.ranks))
+        tiles_h.numpy()[:] = np.array(tiles + [pad] * (meta.n_tiles - len(tiles)), dtype=np.int64).reshape(-1, 3)
+        blocks_h.numpy()[:] = block_tiles
+        chunks_h.numpy()[:] = np.array(chunks + [pad] * (meta.n_chunks - len(chunks)), dtype=np.int64).reshape(-1, 3)
+        adapters_h.numpy()[:] = adapter_int_rows(seg_lens, meta.ranks, dropout_p, first, count)
+        buffer.copy_(host, non_blocking=True)

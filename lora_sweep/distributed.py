@@ -29,9 +29,14 @@ A collective that fails (a peer died: gloo raises on the closed connection, or t
 group's timeout passed) stops the job with a `PeerFailure` naming the rank count; starting
 the same command again resumes every trial from its checkpoints (`JobSpec.checkpoint_every`).
 
+A base given as a hub id or local directory is built on the meta device and each rank reads
+only its shard of every weight from the safetensors files (`materialize`), so a base larger
+than one GPU or than the host's memory can start; a base given as a factory is built whole on
+every rank, then sharded.
+
 Not built yet: the integrations' launch of d > 1 (`PackedLoRASampler(devices=...)`,
-`PackedExecutor(gpus_per_server=...)`, `lora-sweep run`), loading a base larger than host
-memory directly sharded (meta device), tensor parallelism, and the cost model for d > 1.
+`PackedExecutor(gpus_per_server=...)`, `lora-sweep run`), tensor parallelism, and the cost
+model for d > 1.
 Out-of-memory retries are not agreed between ranks: one rank's retry or eviction breaks the
 lockstep, and the job stops with a `PeerFailure` (at the latest on the timeout). CUDA graphs are
 off in a d-rank job.
@@ -93,6 +98,95 @@ def shard_base(body: nn.Module) -> None:
     for layer in layers:
         fully_shard(layer)
     fully_shard(body)
+
+
+def materialize(model: nn.Module, checkpoint_dir: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Fill `model`, built on the meta device (`model.load_base_model(on_meta=True)`) and sharded
+    (`shard_base`), from the safetensors files of `checkpoint_dir`: each rank allocates its shards
+    and reads only its own rows of each sharded weight (FSDP2 gives rank k rows k*c .. (k+1)*c
+    of a weight of n rows, c = ceil(n / d)), one tensor at a time, so neither the host nor one
+    GPU ever holds the whole base. The LM head (whole on every rank) is read from the input
+    embedding where the two are tied. Buffers the checkpoint does not hold (rotary frequencies)
+    come from a fresh copy of their module. Returns the LM head's weight."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not os.path.isdir(checkpoint_dir):  # a hub id: its files, from the local cache where they are
+        from huggingface_hub import snapshot_download
+
+        checkpoint_dir = snapshot_download(checkpoint_dir, allow_patterns=["*.safetensors", "*.safetensors.index.json"])
+    model.to_empty(device=device)
+    files = _checkpoint_files(checkpoint_dir)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    head = model.get_output_embeddings().weight
+    embedding_key = _checkpoint_key(model, model.get_input_embeddings().weight)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = name.replace(".base_layer.", ".")
+            if key not in files and param is head and tied:
+                key = embedding_key
+            if key not in files:
+                raise ValueError(f"{checkpoint_dir} has no weight {key!r} for the sharded base.")
+            rows = files[key].get_slice(key)
+            if isinstance(param, DTensor):
+                if tuple(param.placements) != (Shard(0),):
+                    raise ValueError(f"{name} is sharded as {param.placements}; only FSDP's Shard(0) is read.")
+                local = param.to_local()
+                n = rows.get_shape()[0]
+                start = dist.get_rank() * -(-n // dist.get_world_size())
+                if local.shape[0]:
+                    local.copy_(rows[start:start + local.shape[0]].to(dtype))
+            else:
+                param.copy_(rows[:].to(dtype))
+        for module_name, module in model.named_modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                key = f"{module_name}.{name}" if module_name else name
+                if key in files:
+                    buffer.copy_(files[key].get_tensor(key))
+                    continue
+                fresh = _fresh_copy(module, key)
+                module.register_buffer(name, getattr(fresh, name).to(device), persistent=False)
+    return model.get_output_embeddings().weight
+
+
+def _checkpoint_files(checkpoint_dir: str) -> dict:
+    """Each weight name of a safetensors checkpoint (one file, or shards with an index) and an
+    open handle of the file that holds it."""
+    import json
+
+    from safetensors import safe_open
+
+    index = os.path.join(checkpoint_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = json.load(f)["weight_map"]
+    else:
+        names = None
+    handles, files = {}, {}
+    for file in sorted(set(names.values())) if names else ["model.safetensors"]:
+        path = os.path.join(checkpoint_dir, file)
+        if not os.path.exists(path):
+            raise ValueError(f"{checkpoint_dir} has no safetensors checkpoint ({file}): a sharded base is read "
+                             "from safetensors files only.")
+        handles[file] = safe_open(path, framework="pt")
+        for key in handles[file].keys():
+            files[key] = handles[file]
+    return files
+
+
+def _checkpoint_key(model: nn.Module, param: torch.Tensor) -> str:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p is param:
+            return name.replace(".base_layer.", ".")
+    raise ValueError("The input embedding's weight is not a parameter of the model.")
+
+
+def _fresh_copy(module: nn.Module, key: str) -> nn.Module:
+    """`module` built again from its config on the host: its buffers computed, not read."""
+    config = getattr(module, "config", None)
+    if config is None:
+        raise ValueError(f"The base's buffer {key!r} is neither in its checkpoint nor computable: a sharded base "
+                         "cannot be built on the meta device.")
+    return type(module)(config)
 
 
 class Ranks:

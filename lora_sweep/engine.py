@@ -291,7 +291,9 @@ class PackedJob:
         _prepare_output_dir(spec.output_dir)
         train_rows = load_rows(spec.train_data, "train_data")
         eval_rows = load_rows(spec.eval_data, "eval_data") if spec.eval_data is not None else []
-        self.model, self.tokenizer = load_base_model(spec, self.device, self.dtype)
+        # a d-rank job reads a base from its files shard by shard, never whole (distributed.materialize)
+        on_meta = self.ranks is not None and isinstance(spec.base_model, str)
+        self.model, self.tokenizer = load_base_model(spec, self.device, self.dtype, on_meta=on_meta)
         self.module_shapes = {k: v for k, v in linear_layer_names(self.model).items()
                               if k in spec.target_modules}  # read before the layers are wrapped
         self.segments = SegmentTable()
@@ -301,6 +303,8 @@ class PackedJob:
         self.body, self.lm_head_weight = split_causal_lm(self.model)
         if self.ranks is not None:
             distributed.shard_base(self.body)
+            if on_meta:
+                self.lm_head_weight = distributed.materialize(self.model, spec.base_model, self.device, self.dtype)
         # Microbatch layout. On CUDA samples are packed back to back in one row, no padding
         # waste, with an attention that keeps them apart (attention.packed_attention); a step
         # replayed from a CUDA graph packs them so too, then pads the row to a token bucket

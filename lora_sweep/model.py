@@ -28,15 +28,22 @@ def resolve_dtype(spec: JobSpec, device: torch.device) -> torch.dtype:
     return _DTYPES[spec.dtype]
 
 
-def load_base_model(spec: JobSpec, device: torch.device, dtype: torch.dtype):
-    """The frozen base causal LM and its tokenizer, from a hub id, a local dir or a factory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_base_model(spec: JobSpec, device: torch.device, dtype: torch.dtype, on_meta: bool = False):
+    """The frozen base causal LM and its tokenizer, from a hub id, a local dir or a factory.
+    With `on_meta` (a hub id or local dir only), the model is built from its config on the meta
+    device, no weight read: `distributed.materialize` fills it once it is sharded."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     # Eager attention on CPU: its per-row results do not depend on how long the other rows
     # of the microbatch are, so an adapter's training is bit-for-bit independent of its
     # pack-mates. SDPA's CPU kernel is not (its reduction depends on the padded length).
     attn = "eager" if device.type == "cpu" else "sdpa"
-    if isinstance(spec.base_model, str):
+    if isinstance(spec.base_model, str) and on_meta:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.base_model), dtype=dtype,
+                                                     attn_implementation=attn)
+        tokenizer_source = spec.tokenizer if spec.tokenizer is not None else spec.base_model
+    elif isinstance(spec.base_model, str):
         model = AutoModelForCausalLM.from_pretrained(spec.base_model, dtype=dtype, attn_implementation=attn)
         tokenizer_source = spec.tokenizer if spec.tokenizer is not None else spec.base_model
     else:
@@ -53,7 +60,8 @@ def load_base_model(spec: JobSpec, device: torch.device, dtype: torch.dtype):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     else:
         tokenizer = tokenizer_source
-    model.to(device)
+    if not on_meta:
+        model.to(device)
     model.requires_grad_(False)
     model.config.use_cache = False
     if spec.gradient_checkpointing:

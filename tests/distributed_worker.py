@@ -55,6 +55,21 @@ class KilledAt(PackedJob):
         super()._train_step()
 
 
+def count_whole_loads() -> list[int]:
+    """A counter of the base's whole loads (`from_pretrained`) from here on: a d-rank job reads
+    its shards instead."""
+    from transformers import AutoModelForCausalLM
+
+    calls, load = [0], AutoModelForCausalLM.from_pretrained.__func__
+
+    def counted(cls, *a, **kw):
+        calls[0] += 1
+        return load(cls, *a, **kw)
+
+    AutoModelForCausalLM.from_pretrained = classmethod(counted)
+    return calls
+
+
 def run_job(args: dict) -> tuple[PackedJob, list[dict]]:
     """Run the scenario; returns the job and the events seen (all of them on rank 0, none elsewhere).
     "join_leave": trial d joins once a reports step 2, and c leaves once b reports step 4."""
@@ -77,8 +92,10 @@ def main() -> None:
     torch.set_num_threads(1)
     with open(sys.argv[1]) as f:
         args = json.load(f)
+    whole_loads = count_whole_loads()
     job, seen = run_job(args)
     rank = int(os.environ.get("RANK", "0"))
+    assert whole_loads[0] == 0, "a rank loaded the whole base"
     if rank == 0:
         from torch.distributed.tensor import DTensor
 

@@ -109,3 +109,35 @@ def test_a_killed_rank_stops_the_job_and_a_restart_resumes_from_checkpoints(base
     finished = [e for e in events if e["kind"] == "Finished"]
     assert sorted(e["trial_id"] for e in finished) == ["a", "b", "c"]
     assert_same_training(finished, [e for e in uninterrupted if e["kind"] == "Finished"])
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen_dir"])
+def test_a_sharded_base_is_read_from_its_files_as_from_pretrained_reads_it(model_dir, request, tmp_path):
+    """Built on the meta device, sharded, then filled rank by rank from the safetensors files
+    (here one gloo rank): every weight, the tied LM head (Qwen2) and the rotary buffers equal
+    what `from_pretrained` loads."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from lora_sweep import JobSpec
+    from lora_sweep.distributed import materialize, shard_base
+    from lora_sweep.model import load_base_model, split_causal_lm
+
+    path = request.getfixturevalue(model_dir)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        spec = JobSpec(base_model=path, train_data=[{"prompt": "a", "completion": "b"}], output_dir=str(tmp_path))
+        model, _ = load_base_model(spec, torch.device("cpu"), torch.float32, on_meta=True)
+        assert next(model.parameters()).is_meta
+        shard_base(split_causal_lm(model)[0])
+        head = materialize(model, path, torch.device("cpu"), torch.float32)
+        whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        for name, want in whole.state_dict().items():
+            got = model.state_dict()[name]
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            assert torch.equal(got, want), name
+        assert torch.equal(head, whole.lm_head.weight)
+        for name, want in whole.named_buffers():
+            assert torch.equal(dict(model.named_buffers())[name], want), name
+    finally:
+        dist.destroy_process_group()

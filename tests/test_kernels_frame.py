@@ -38,7 +38,8 @@ def run(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens, seeds, config, f
     return y, torch.autograd.grad(y, params, torch.ones_like(y) + y.detach() / 7)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+# chunks of several tiles and partial sums; every gradient written directly; two passes over dY
+@pytest.mark.parametrize("config", ["split_chunks", "direct", "two_pass_dy"])
 def test_a_frame_refilled_for_each_layout_matches_the_reference(config):
     torch.manual_seed(0)
     in_f, out_f, caps = 40, 56, [30, 9, 50, 17, 1]
@@ -50,9 +51,9 @@ def test_a_frame_refilled_for_each_layout_matches_the_reference(config):
     dropout_p = [0.1, 0.0, 0.5, 0.0, 0.0, 0.0]
     seeds = [11, 12, 13, 14, 15, 0]
     weight = torch.randn(out_f, in_f)
-    first, *others = layouts(caps, tokens, 4, seed=1)
+    first, *others = layouts(caps, tokens, 3, seed=1)
     frame = TableFrame(first, caps + [tokens])
-    for seg_lens in [first, *others, first]:
+    for seg_lens in [first, *others]:
         frame.fill(seg_lens)
         x = torch.randn(tokens, in_f, requires_grad=True)
         y, grads = run(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens, seeds, CONFIGS[config], frame)

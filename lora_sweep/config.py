@@ -24,6 +24,7 @@ MAX_TRIAL_ID_CHARS = 512  # room for a long study name plus "-trial-<number>"
 MAX_BATCH_SIZE = 65536  # samples one adapter draws per micro-step
 MAX_GRADIENT_ACCUMULATION_STEPS = 4096  # micro-steps before an adapter's first optimizer step (and report)
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZATIONS = ("nf4", "fp4", "int8")  # JobSpec.quantization's names (bitsandbytes' formats)
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,17 @@ class ConfigError(ValueError):
 
 def _who(trial_id: Optional[str]) -> str:
     return f"Trial {trial_id!r}: " if trial_id is not None else ""
+
+
+def quantization_name(quantization: Any) -> Optional[str]:
+    """"nf4", "fp4", "int8" or None: what `JobSpec.quantization` stores the base's linear weights as."""
+    if quantization is None or isinstance(quantization, str):
+        return quantization
+    if getattr(quantization, "load_in_8bit", False):
+        return "int8"
+    if getattr(quantization, "load_in_4bit", False):
+        return getattr(quantization, "bnb_4bit_quant_type", "fp4")
+    return None
 
 
 def _fail(trial_id, name, value, rule) -> ConfigError:
@@ -291,11 +303,17 @@ class JobSpec:
     keep_checkpoints: bool = field(
         default=False, metadata={"help": "Keep the checkpoints of trials that leave unfinished (pruned, removed "
                                  "or failed); by default they are deleted when the trial leaves."})
+    quantization: Optional[Any] = field(
+        default=None, metadata={"help": "The base's linear layers in bitsandbytes' 4-bit (\"nf4\", \"fp4\") or "
+                                "8-bit (\"int8\") form, or a transformers BitsAndBytesConfig; adapters stay "
+                                "fp32 (QLoRA). Needs `lora-sweep[quantization]`. None: as `dtype` says; a "
+                                "factory's model already quantized is taken as it is."})
     cuda_graphs: Union[bool, Literal["auto"]] = field(
         default="auto", metadata={"help": "On CUDA with packed samples: True captures the training step in CUDA "
-                                  "graphs and replays it (each sample padded to one of four lengths); False "
-                                  "launches every kernel from Python, nothing padded; auto times both on the "
-                                  "job's first steps and keeps the one that trains more tokens per second."})
+                                  "graphs and replays it (the packed row padded to one of four token counts per "
+                                  "power of two); False launches every kernel from Python, nothing padded; auto "
+                                  "times both on the job's first steps and keeps the one that trains more tokens "
+                                  "per second."})
 
     def __post_init__(self):
         for f in fields(self):  # NumPy / torch scalars -> Python values; data, model and tokenizer as given
@@ -325,6 +343,12 @@ class JobSpec:
         if self.padding not in ("auto", "packed", "longest", "max_seq_len"):
             raise _fail(None, "padding", self.padding, "one of auto, packed, longest, max_seq_len")
         _check_int(None, "eval_every", self.eval_every, 1)
+        q = self.quantization
+        if not (q is None or (isinstance(q, str) and q in QUANTIZATIONS) or type(q).__name__ == "BitsAndBytesConfig"):
+            raise _fail(None, "quantization", q, f"None, one of {', '.join(QUANTIZATIONS)}, or a BitsAndBytesConfig")
+        if q is not None and callable(self.base_model):
+            raise ConfigError("`quantization` applies to a base loaded from a hub id or a directory; a `base_model` "
+                              "factory returns its model as it is (quantize it there).", field="quantization")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
             raise _fail(None, "cuda_graphs", self.cuda_graphs, "True, False or 'auto'")
         for flag in ("gradient_checkpointing", "keep_checkpoints"):

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from .config import DEFAULT_TARGET_MODULES, ConfigError, JobSpec, TrialConfig
+from .config import DEFAULT_TARGET_MODULES, ConfigError, JobSpec, TrialConfig, quantization_name
 
 logger = logging.getLogger(__name__)
 
@@ -310,6 +310,11 @@ ADAPTER_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + AdamW's two fp32 momen
 LOGITS_BYTES = 4 * 2  # a chunk's fp32 logits and one fp32 temporary of the same size (logsumexp, softmax)
 
 
+# Bytes per quantized weight: 4 bits plus an fp32 absmax per block of 64 (bitsandbytes' 4-bit
+# formats without double quantisation), or a byte plus a row's fp32 scale (int8, the scale negligible).
+QUANTIZED_BYTES_PER_PARAM = {"nf4": 0.5 + 4 / 64, "fp4": 0.5 + 4 / 64, "int8": 1.0}
+
+
 @dataclass
 class CostModel:
     """Memory and step time of packed jobs of one base model on one kind of GPU.
@@ -334,10 +339,14 @@ class CostModel:
     loss_chunk_tokens: Optional[int] = None  # rows of logits the chunked loss holds; None: the engine's default
     mean_sample_tokens: Optional[float] = None  # a sample's mean length, for step times; None: max_seq_len
     calibration: Optional[Calibration] = None  # None: the roofline defaults of `gpu`
+    quantization: Optional[str] = None  # "nf4", "fp4" or "int8": the decoder's linear weights (`JobSpec.quantization`)
 
     def __post_init__(self):
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(f"The value of `dtype` is {self.dtype!r}, but must be one of {sorted(_DTYPE_BYTES)}.")
+        if self.quantization is not None and self.quantization not in QUANTIZED_BYTES_PER_PARAM:
+            raise ValueError(f"The value of `quantization` is {self.quantization!r}, but must be None or one of "
+                             f"{sorted(QUANTIZED_BYTES_PER_PARAM)}.")
         if not 0 < self.load_factor <= 1:
             raise ValueError(f"The value of `load_factor` is {self.load_factor}, but must be `0 < load_factor <= 1`.")
         if self.max_seq_len < 1:
@@ -421,7 +430,7 @@ class CostModel:
             dtype=dtype,
             target_modules=tuple(pick(target_modules, "target_modules", DEFAULT_TARGET_MODULES)),
             gradient_checkpointing=pick(gradient_checkpointing, "gradient_checkpointing", False),
-            **kwargs,
+            **{"quantization": quantization_name(spec.quantization) if spec is not None else None, **kwargs},
         )
 
     # ---- per-token and per-step constants of the model
@@ -429,6 +438,16 @@ class CostModel:
     @property
     def dtype_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype]
+
+    def weight_bytes(self) -> float:
+        """Bytes of the frozen base: every weight in `dtype`, but the decoder's linear weights in
+        their quantized form where the base is quantized (the embeddings, norms and LM head
+        stay in `dtype`, as bitsandbytes leaves them)."""
+        if self.quantization is None:
+            return self.shape.num_params * self.dtype_bytes
+        linear = self.shape.num_layers * sum(a * b for a, b in self.shape.linear_dims.values())
+        rest = self.shape.num_params - linear
+        return linear * QUANTIZED_BYTES_PER_PARAM[self.quantization] + rest * self.dtype_bytes
 
     @property
     def capacity_bytes(self) -> float:
@@ -545,7 +564,7 @@ class CostModel:
         """
         d, cal = num_gpus, self.calibration
         return {
-            "weights": self.shape.num_params * self.dtype_bytes / d,
+            "weights": self.weight_bytes() / d,
             "logits": self.loss_chunk_tokens * self.shape.vocab_size * LOGITS_BYTES / d,
             "adapter_states": rank_sum * self._lora_dims() * ADAPTER_BYTES_PER_PARAM / d,
             "base_activations": cal.base_activation_scale * tokens * self._base_activation_bytes_per_token() / d,

@@ -293,6 +293,9 @@ class PackedJob:
         eval_rows = load_rows(spec.eval_data, "eval_data") if spec.eval_data is not None else []
         # a d-rank job reads a base from its files shard by shard, never whole (distributed.materialize)
         on_meta = self.ranks is not None and isinstance(spec.base_model, str)
+        if on_meta and spec.quantization is not None:
+            raise ConfigError("A job over several ranks takes a bf16 or fp32 base; `quantization` is for a job on "
+                              "one device.", field="quantization")
         self.model, self.tokenizer = load_base_model(spec, self.device, self.dtype, on_meta=on_meta)
         self.module_shapes = {k: v for k, v in linear_layer_names(self.model).items()
                               if k in spec.target_modules}  # read before the layers are wrapped

@@ -7,6 +7,7 @@ microbatch by the engine, so the model's forward signature stays untouched.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -17,6 +18,7 @@ from torch import nn
 
 from .data import to_device
 from .kernels import multi_lora_linear, rms_norm, silu_mul, uses_triton
+from .quantized import dequantize, is_quantized, recomputed_in_backward
 
 
 @dataclass
@@ -108,7 +110,8 @@ class MultiLoRALinear(nn.Module):
     `SegmentTable` gives it, as PEFT's `LoraLayer` does for a whole batch. The state-dict
     names are PEFT's: `base_layer.weight`, `lora_A.<name>.weight`, `lora_B.<name>.weight`.
     The work itself is `lora_sweep.kernels.multi_lora_linear` (Triton on CUDA, the torch
-    reference elsewhere).
+    reference elsewhere). The base may be a bitsandbytes 4-bit or 8-bit layer (QLoRA), whose
+    weight is dequantised once per forward for the whole pack (`quantized.py`).
     """
 
     adapter_layer_names = ("lora_A", "lora_B")
@@ -118,6 +121,7 @@ class MultiLoRALinear(nn.Module):
         super().__init__()
         self.base_layer = base_layer
         self.base_layer.requires_grad_(False)
+        self.quantized = is_quantized(base_layer)  # bitsandbytes' 4-bit or 8-bit layer (quantized.py)
         self.segments = segments
         self.layer_index = layer_index
         self.in_features = base_layer.in_features
@@ -165,10 +169,15 @@ class MultiLoRALinear(nn.Module):
         lora_a, lora_b, scales, dropout_p = zip(*(self._adapters.get(name, none) for name in table.names))
         if not self.training:
             dropout_p = (0.0,) * len(dropout_p)
-        out = multi_lora_linear(flat, self.base_layer.weight, self.base_layer.bias, lora_a, lora_b, scales,
-                                dropout_p, table.tokens,
-                                table.dropout_seeds(self.layer_index, x.device if uses_triton(x) else None),
-                                frame=table.frame)
+        weight, saved = self.base_layer.weight, contextlib.nullcontext()
+        if self.quantized:  # once for the whole pack; dequantised again in the backward, not kept
+            weight = dequantize(self.base_layer, x.dtype)
+            saved = recomputed_in_backward(self.base_layer, weight)
+        with saved:
+            out = multi_lora_linear(flat, weight, self.base_layer.bias, lora_a, lora_b, scales, dropout_p,
+                                    table.tokens,
+                                    table.dropout_seeds(self.layer_index, x.device if uses_triton(x) else None),
+                                    frame=table.frame)
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

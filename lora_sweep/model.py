@@ -9,6 +9,7 @@ from torch import nn
 
 from .config import ConfigError, JobSpec
 from .layers import FUSABLE_MLPS, FUSABLE_NORMS, FusedGatedMLP, FusedRMSNorm, MultiLoRALinear, SegmentTable
+from .quantized import bitsandbytes_config, model_is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,18 @@ def load_base_model(spec: JobSpec, device: torch.device, dtype: torch.dtype, on_
                                                      attn_implementation=attn)
         tokenizer_source = spec.tokenizer if spec.tokenizer is not None else spec.base_model
     elif isinstance(spec.base_model, str):
-        model = AutoModelForCausalLM.from_pretrained(spec.base_model, dtype=dtype, attn_implementation=attn)
+        quantization = bitsandbytes_config(spec.quantization, dtype)
+        placed = {"quantization_config": quantization, "device_map": {"": str(device)}} if quantization else {}
+        model = AutoModelForCausalLM.from_pretrained(spec.base_model, dtype=dtype, attn_implementation=attn,
+                                                     **placed)
         tokenizer_source = spec.tokenizer if spec.tokenizer is not None else spec.base_model
     else:
         model = spec.base_model()
         if not isinstance(model, nn.Module):
             raise ConfigError(f"The `base_model` factory returned {type(model).__name__}, not a torch model.",
                               field="base_model")
-        model = model.to(dtype=dtype)
+        if not model_is_quantized(model):  # a quantized model keeps its weights' formats
+            model = model.to(dtype=dtype)
         model.config._attn_implementation = attn
         tokenizer_source = spec.tokenizer
     if tokenizer_source is None:
@@ -60,7 +65,7 @@ def load_base_model(spec: JobSpec, device: torch.device, dtype: torch.dtype, on_
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     else:
         tokenizer = tokenizer_source
-    if not on_meta:
+    if not (on_meta or model_is_quantized(model)):  # bitsandbytes places its layers when it loads them
         model.to(device)
     model.requires_grad_(False)
     model.config.use_cache = False

@@ -318,3 +318,20 @@ def test_profile_job_warns_when_the_job_ends_early(tmp_path):
     with pytest.warns(UserWarning, match="fewer than"):
         stats = profile_job(_tiny_job(tmp_path, max_steps=4), steps=10)
     assert len(stats) == 3
+
+
+def test_a_quantized_base_weighs_its_linears_in_their_quantized_form():
+    from lora_sweep.costmodel import QUANTIZED_BYTES_PER_PARAM
+
+    plain = CostModel.from_model("qwen2.5-7b", "h100-sxm", dtype="bfloat16")
+    s = plain.shape
+    linear = s.num_layers * sum(a * b for a, b in s.linear_dims.values())
+    for q in ("nf4", "int8"):
+        quantized = CostModel.from_model("qwen2.5-7b", "h100-sxm", dtype="bfloat16", quantization=q)
+        saved = linear * (2 - QUANTIZED_BYTES_PER_PARAM[q])
+        assert quantized.weight_bytes() == pytest.approx(plain.weight_bytes() - saved)
+        assert quantized.memory_terms(1024, 16 * 1024, 16, 1)["weights"] == quantized.weight_bytes()
+        trials = [TrialConfig(rank=16)]
+        assert quantized.memory_per_gpu(trials) == pytest.approx(plain.memory_per_gpu(trials) - saved)
+    with pytest.raises(ValueError, match="quantization"):
+        CostModel.from_model("qwen2.5-7b", "h100-sxm", quantization="int4")

@@ -1,0 +1,143 @@
+"""A quantized base (QLoRA) on CPU, through bitsandbytes' CPU backend: packed adapters on an NF4
+or FP4 base train as PEFT's QLoRA trains each alone on the same quantized model; an int8 base
+gives what bitsandbytes' own layer gives, to its activation rounding; isolation, a join and a
+resume from checkpoints hold on a quantized base, and the saved adapters load into PEFT on it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lora_sweep as ls
+from benchmarks.peft_baseline import peft_model_for, train_alone_with_peft
+from lora_sweep.config import ConfigError
+from lora_sweep.engine import Failed, PackedJob
+from lora_sweep.quantized import bitsandbytes_config, dequantize
+
+from test_engine_equivalence import final_weights, four_trials, make_spec, rel, run_packed
+
+pytest.importorskip("bitsandbytes", reason="the quantized base needs bitsandbytes (lora-sweep[quantization])")
+
+
+def quantized_base(model_dir, quantization):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                                quantization_config=bitsandbytes_config(quantization, torch.float32),
+                                                device_map={"": "cpu"})
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "fp4"])
+def test_packed_on_a_4bit_base_equals_peft_qlora_alone(quantization, tiny_llama_dir, toy_data, tmp_path):
+    trials = four_trials()
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path, padding="max_seq_len", quantization=quantization),
+                    trials, progress=False)
+    assert all(layer.quantized for layer in job.layers.values())
+    for t in job.trials:
+        job.save_adapter(t, str(tmp_path / "init" / t))
+    packed = run_packed(job)
+    for cfg in trials:
+        model = peft_model_for(quantized_base(tiny_llama_dir, quantization), cfg, job.spec.target_modules,
+                               init_dir=str(tmp_path / "init" / cfg.trial_id))
+        ref_losses, ref_weights = train_alone_with_peft(model, cfg, job.train_samples, job.pad_id)
+        for step, (x, y) in enumerate(zip(packed[cfg.trial_id], ref_losses)):
+            assert math.isclose(x, y, rel_tol=1e-5), f"{cfg.trial_id} step {step + 1}: {x} vs {y}"
+        for key, value in final_weights(job.finished[cfg.trial_id]).items():
+            ref_key = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+                ".lora_B.weight", ".lora_B.default.weight")
+            assert rel(value, ref_weights[ref_key]) < 1e-4, f"{cfg.trial_id} {key}"
+
+
+def test_saved_adapters_load_into_peft_on_the_quantized_base(tiny_llama_dir, toy_data, tmp_path):
+    """A trained adapter saved by the job, loaded with `PeftModel.from_pretrained` on the same
+    NF4 base, gives the packed model's logits for that adapter."""
+    from peft import PeftModel
+
+    cfg = ls.TrialConfig(rank=8, alpha=16, learning_rate=3e-3, max_steps=100, dropout=0.0, trial_id="a")
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path, padding="max_seq_len", quantization="nf4"),
+                    [cfg], progress=False)
+    for _ in range(4):
+        job.step()
+    job.save_adapter("a", str(tmp_path / "a"))
+    rows = torch.tensor([job.train_samples[0].input_ids])
+    with torch.no_grad():
+        job.model.eval()
+        job.segments.set([job.active["a"].key], [rows.numel()])
+        packed = job.model(input_ids=rows).logits
+        job.segments.clear()
+        base = job.model(input_ids=rows).logits
+        peft = PeftModel.from_pretrained(quantized_base(tiny_llama_dir, "nf4"), str(tmp_path / "a")).eval()
+        loaded = peft(input_ids=rows).logits
+    assert (packed - base).abs().max() > 1e-3  # the adapter changes the logits
+    assert torch.allclose(loaded, packed, atol=1e-4, rtol=1e-4)
+
+
+def test_an_int8_base_gives_what_bitsandbytes_gives(tiny_llama_dir, toy_data, tmp_path):
+    """LLM.int8 also rounds the activations to int8; the packed layer multiplies by the
+    dequantised weight in full precision. The two agree to that rounding, and the job trains."""
+    model = quantized_base(tiny_llama_dir, "int8")
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(5, layer.in_features)
+    with torch.no_grad():
+        ours = x @ dequantize(layer, torch.float32).t()
+        theirs = layer(x).float()
+    assert rel(ours, theirs) < 0.02
+    trials = [ls.TrialConfig(rank=8, learning_rate=1e-2, max_steps=8, batch_size=4, dropout=0.0, trial_id="a")]
+    losses = run_packed(PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path, quantization="int8"), trials,
+                                  progress=False))["a"]
+    assert losses[-1] < losses[0] - 0.2
+
+
+def test_isolation_join_and_resume_on_a_quantized_base(tiny_llama_dir, toy_data, tmp_path):
+    """On an NF4 base: a trial whose weights turn inf fails alone and its pack-mates train on
+    bit for bit; a trial joins mid-run; a job stopped after step 2 and started again from its
+    checkpoints ends with the adapters of the run that was never stopped."""
+    def trials():
+        return [ls.TrialConfig(rank=4, learning_rate=3e-3, max_steps=4, dropout=0.0, seed=i, trial_id=t)
+                for i, t in enumerate("ab")]
+
+    joiner = ls.TrialConfig(rank=8, learning_rate=2e-3, max_steps=2, dropout=0.0, seed=9, trial_id="j")
+
+    def spec(out):
+        return make_spec(tiny_llama_dir, toy_data, tmp_path / out, padding="max_seq_len", quantization="nf4",
+                         eval_every=2, checkpoint_every=1)
+
+    def run(out, poison=False, stop_after=None):
+        job = PackedJob(spec(out), trials() + ([ls.TrialConfig(rank=4, max_steps=4, trial_id="x")] if poison else []),
+                        progress=False)
+        events = []
+        for step in range(1, 5):
+            if step == 2:
+                job.add_trial(joiner)
+            if poison and step == 2:
+                job.optimizer.adapters["x"].flat[0] = math.inf
+            events += job.step()
+            if stop_after == step:
+                return job, events
+        return job, events
+
+    healthy, _ = run("healthy")
+    poisoned, events = run("poisoned", poison=True)
+    assert [e.trial_id for e in events if isinstance(e, Failed)] == ["x"]
+    for t in "abj":
+        assert torch.equal(final_weights(healthy.finished[t])["base_model.model.model.layers.0.self_attn.q_proj"
+                                                             ".lora_A.weight"],
+                           final_weights(poisoned.finished[t])["base_model.model.model.layers.0.self_attn.q_proj"
+                                                               ".lora_A.weight"])
+    stopped, _ = run("resumed", stop_after=2)
+    stopped.release_locks()
+    del stopped
+    resumed = PackedJob(spec("resumed"), trials() + [joiner], progress=False)
+    list(resumed.run())
+    for t in "abj":
+        for key, value in final_weights(resumed.finished[t]).items():
+            assert rel(value, final_weights(healthy.finished[t])[key]) < 1e-5, (t, key)
+
+
+def test_quantization_takes_known_formats_and_a_loadable_base(tiny_llama_dir, toy_data, tmp_path):
+    with pytest.raises(ConfigError, match="quantization.*nf4, fp4, int8"):
+        make_spec(tiny_llama_dir, toy_data, tmp_path, quantization="int4")
+    with pytest.raises(ConfigError, match="factory returns its model as it is"):
+        make_spec(lambda: None, toy_data, tmp_path, quantization="nf4", tokenizer=tiny_llama_dir)

@@ -29,12 +29,17 @@ the machine's processes) after the run, so no step waits for the GPU to be timed
     python -m benchmarks.peers --model llama-3.2-1b --seq 256 --k 8,16,32 --steps 30 --warmup 5 \\
         --peers peft,unsloth,packed --out results.json --plot peers.png
 
+`--quantization nf4` (or fp4, int8) puts every method on the same base with its linear layers
+quantized by bitsandbytes (QLoRA): PEFT on the quantized model, Unsloth with `load_in_4bit`
+(nf4 only), the packed job with `JobSpec(quantization=...)`.
+
 `--dry` runs on the CPU with the bundled tiny model (K=2, 2 steps), for the tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import multiprocessing as mp
@@ -94,8 +99,17 @@ def _is_oom(err: BaseException) -> bool:
 
 
 def _base_model(task):
-    """The task's model, frozen: the bundled tiny model on the CPU, else random bf16 weights on the GPU."""
+    """The task's model, frozen: the bundled tiny model on the CPU, else random bf16 weights on the GPU;
+    with `--quantization`, loaded from `model_dir` with its linears quantized by bitsandbytes."""
     torch.manual_seed(0)  # the same base weights in every process
+    if task["quantization"]:
+        from transformers import AutoModelForCausalLM
+
+        from lora_sweep.quantized import bitsandbytes_config
+        device, dtype = ("cpu", torch.float32) if task["dry"] else ("cuda", torch.bfloat16)
+        return AutoModelForCausalLM.from_pretrained(
+            task["model_dir"], dtype=dtype, device_map={"": device},
+            quantization_config=bitsandbytes_config(task["quantization"], dtype)).eval().requires_grad_(False)
     if task["dry"]:
         from transformers import AutoModelForCausalLM
 
@@ -121,8 +135,12 @@ def _train(task, on_step) -> dict:
     total = task["warmup"] + task["steps"]
     trials = [ls.TrialConfig.from_dict(t) for t in task["trials"]]
     if task["method"] in PACKED:
-        spec = spec_for(_base_model(task), task["rows"], task["seq"], device=device,
-                        cuda_graphs=task["method"] == "packed")
+        graphs = task["method"] == "packed"
+        if task["quantization"]:  # the job loads the saved model and quantizes it itself
+            spec = dataclasses.replace(spec_for(None, task["rows"], task["seq"], device=device, cuda_graphs=graphs),
+                                       base_model=task["model_dir"], quantization=task["quantization"])
+        else:
+            spec = spec_for(_base_model(task), task["rows"], task["seq"], device=device, cuda_graphs=graphs)
         job = ls.PackedJob(spec, trials, progress=False)
         for k in range(1, total + 1):
             job.step()
@@ -142,7 +160,7 @@ def _train(task, on_step) -> dict:
     samples = [Sample(tuple(ids), tuple(ids)) for ids in task["samples"]]  # loss on every token
     if task["method"] == "unsloth":
         model, _ = FastLanguageModel.from_pretrained(task["model_dir"], max_seq_length=task["seq"],
-                                                     dtype=torch.bfloat16, load_in_4bit=False)
+                                                     dtype=torch.bfloat16, load_in_4bit=task["quantization"] == "nf4")
         model = FastLanguageModel.get_peft_model(
             model, r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(PROJECTIONS),
             bias="none", use_gradient_checkpointing=task["unsloth_checkpointing"], random_state=cfg.seed)
@@ -256,7 +274,7 @@ def run_one(method: str, k: int, dropout: float, setup: dict) -> dict:
     trials = [dict(rank=setup["rank"], alpha=setup["alpha"], dropout=dropout, learning_rate=2e-4, batch_size=1,
                    max_steps=10**6, seed=i, trial_id=f"t{i}") for i in range(k)]
     common = {key: setup[key] for key in ("dry", "model", "seq", "warmup", "steps", "profile", "model_dir",
-                                          "unsloth_checkpointing")}
+                                          "quantization", "unsloth_checkpointing")}
     if method in PACKED:
         tasks = [dict(common, method=method, index=0, trials=trials, rows=setup["rows"])]
     else:
@@ -372,6 +390,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--unsloth-checkpointing", default="false", choices=["false", "true", "unsloth"],
                         help="use_gradient_checkpointing of Unsloth's get_peft_model (PEFT's side has none)")
     parser.add_argument("--profile", action="store_true", help="the packed step's GPU time and busy share")
+    parser.add_argument("--quantization", choices=["nf4", "fp4", "int8"], default=None,
+                        help="every method on the same base with its linears quantized by bitsandbytes (QLoRA); "
+                             "Unsloth takes nf4 only")
     parser.add_argument("--out", default="benchmarks/results/peers.json")
     parser.add_argument("--plot", default=None, help="PNG of tokens/s against K")
     parser.add_argument("--dry", action="store_true", help="CPU, bundled tiny model, K=2, 2 steps (tests)")
@@ -397,10 +418,14 @@ def main(argv=None) -> dict:
     samples = [list(s.input_ids) for s in tokenize_rows(rows, tokenizer, args.seq, "train_data")]
     setup = dict(dry=args.dry, model=args.model, seq=args.seq, warmup=args.warmup, steps=args.steps,
                  profile=args.profile, rank=args.rank, alpha=2.0 * args.rank, rows=rows, samples=samples,
-                 pad_id=tokenizer.pad_token_id, model_dir=None, unsloth_checkpointing={
+                 pad_id=tokenizer.pad_token_id, model_dir=None, quantization=args.quantization, unsloth_checkpointing={
                      "false": False, "true": True}.get(args.unsloth_checkpointing, args.unsloth_checkpointing))
     unsloth = unsloth_status() if "unsloth" in methods else "not asked"
-    if "unsloth" in methods and unsloth == "available" and not args.dry:
+    if args.quantization not in (None, "nf4") and unsloth == "available":
+        unsloth = f"unavailable: Unsloth's 4-bit base is nf4, not {args.quantization}"
+    if args.quantization and args.dry:  # the bundled model, loaded and quantized by each method
+        setup["model_dir"] = tiny_model_path()
+    elif (args.quantization or "unsloth" in methods and unsloth == "available") and not args.dry:
         setup["model_dir"] = tempfile.mkdtemp(prefix="peers_model_")
         saver = mp.get_context("spawn").Process(target=_save_random_model, args=(args.model, setup["model_dir"]))
         saver.start()
@@ -413,6 +438,7 @@ def main(argv=None) -> dict:
               "versions": {d: _version(d) for d in ("torch", "triton", "transformers", "peft", "unsloth",
                                                     "unsloth_zoo", "lora_sweep")},
               "unsloth": unsloth, "unsloth_checkpointing": setup["unsloth_checkpointing"],
+              "quantization": args.quantization,
               "window": "common: real tokens from the last process's start to the first process's end; "
                         "union_tokens_per_s: all tokens from the first start to the last end",
               "runs": []}
@@ -434,7 +460,7 @@ def main(argv=None) -> dict:
                     tps = f"{run['tokens_per_s']:.0f} tokens/s, " if run.get("tokens_per_s") else ""
                     print(f"{method} dropout {dropout:g} K={k}: {tps}{run['status']}", flush=True)
     finally:
-        if setup["model_dir"]:
+        if setup["model_dir"] and not args.dry:
             shutil.rmtree(setup["model_dir"], ignore_errors=True)
 
     _write(result, args.out)

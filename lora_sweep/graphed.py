@@ -155,8 +155,9 @@ class GraphedStep:
         return len(self.timings.get(size, {}).get(False, ())) >= TRIAL_STEPS
 
     def record(self, n_adapters: int, replayed: bool, seconds: float, tokens: int, timed: bool) -> None:
-        """A finished step, for the choice: `timed` is False for a step that compiled kernels
-        or captured a graph, which says nothing of the steady state."""
+        """A finished step: a capture's time and a padded step's waste (`_bucket_to_run`), and,
+        when choosing, its rate; `timed` is False for a step that compiled kernels or captured a
+        graph, which says nothing of the steady state."""
         if replayed and self.captured:
             self.capture_s = seconds
         elif replayed and self.last_tokens > self.asked:

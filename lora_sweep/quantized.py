@@ -24,8 +24,7 @@ QUANTIZED_LINEARS = ("Linear4bit", "Linear8bitLt")  # bitsandbytes' module class
 
 def is_quantized(layer: nn.Module) -> bool:
     """Whether `layer` is one of bitsandbytes' quantized linear layers."""
-    return type(layer).__name__ in QUANTIZED_LINEARS or any(
-        c.__name__ in QUANTIZED_LINEARS for c in type(layer).__mro__)
+    return any(c.__name__ in QUANTIZED_LINEARS for c in type(layer).__mro__)
 
 
 def model_is_quantized(model: nn.Module) -> bool:

@@ -35,6 +35,7 @@ import random
 import statistics
 import tempfile
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -143,22 +144,25 @@ def time_packed(model, trials, rows, seq_len, warmup: int, steps: int, gpu_busy:
     job = ls.PackedJob(spec_for(model, rows, seq_len, **spec_kw), trials, progress=False)
     torch.cuda.reset_peak_memory_stats()
     times = []
-    for k in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        failed = [e for e in job.step() if isinstance(e, ls.Failed)]
-        end.record()
-        torch.cuda.synchronize()
-        if failed:  # a timing of the trials left would not be the one asked for
-            raise RuntimeError(f"trial {failed[0].trial_id} failed at step {k}: {failed[0].reason}")
-        if k >= warmup:
-            times.append(start.elapsed_time(end) / 1e3)
+    with warnings.catch_warnings(record=True) as caught:  # a failed capture, say: kept in the result
+        warnings.simplefilter("always")
+        for k in range(warmup + steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            failed = [e for e in job.step() if isinstance(e, ls.Failed)]
+            end.record()
+            torch.cuda.synchronize()
+            if failed:  # a timing of the trials left would not be the one asked for
+                raise RuntimeError(f"trial {failed[0].trial_id} failed at step {k}: {failed[0].reason}")
+            if k >= warmup:
+                times.append(start.elapsed_time(end) / 1e3)
     stats = job.step_stats[warmup:]
     result = {"median_step_s": statistics.median(times), "tokens_per_step": statistics.mean(s["tokens"] for s in stats),
               "padded_tokens_per_step": statistics.mean(s["padded_tokens"] for s in stats),
               "rank_tokens_per_step": statistics.mean(s["rank_tokens"] for s in stats),
               "lengths": [len(job.train_samples[i]) for i in range(64)],
-              "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "step_stats": stats}
+              "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "step_stats": stats,
+              "warnings": sorted({str(w.message)[:500] for w in caught})}
     if gpu_busy:
         result.update(gpu_profile(job))
     job.release_locks()  # the next job of the same trial ids writes to the same output_dir

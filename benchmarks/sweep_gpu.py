@@ -290,7 +290,7 @@ def throughput(models, seqs, adapter_counts, batches, peak, warmup, steps, log) 
                                "padding_waste": 1 - r["tokens_per_step"] / r["padded_tokens_per_step"],
                                "peak_memory_gb": r["peak_memory_gb"], "solo_peak_memory_gb": solo["peak_memory_gb"],
                                "median_step_s": r["median_step_s"], "solo_median_step_s": solo["median_step_s"],
-                               "step_stats": r["step_stats"]}
+                               "step_stats": r["step_stats"], "warnings": r["warnings"]}
                         rows_out.append(row)
                         log(f"  {n:2d} adapters ({ranks}): {tps:,.0f} tok/s, {row['ratio']:.1f}x, "
                             f"MFU {row['mfu']:.1%} (alone {row['solo_mfu']:.1%}), padding {row['padding_waste']:.0%}, "

@@ -16,9 +16,10 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from .config import ConfigError, JobSpec, TrialConfig
+from .config import ConfigError, JobSpec, TrialConfig, quantization_name
 from .space import Categorical, Float, random_configs
 
+BASE_KEYS = {"model", "max_seq_len", "dtype", "gradient_checkpointing", "quantization"}  # of an entry of `bases`
 SWEEP_KEYS = {
     # the base model and the job: what every trial shares
     "model": "a preset (e.g. qwen2.5-7b; `plan` only), a hub id or local dir, a dict of config fields (`plan` only), "
@@ -27,6 +28,9 @@ SWEEP_KEYS = {
     "dtype": "bfloat16, float16, float32 or auto (default auto)",
     "gradient_checkpointing": "recompute base activations (default false)",
     "target_modules": "linear layers that get adapters (default all seven)",
+    "bases": "several base models in one sweep (`plan` only): name -> {model, and optionally max_seq_len, dtype, "
+             "gradient_checkpointing, quantization}, each defaulting to the sweep's; a trial names its base "
+             "(`base`), a search space may draw it (`base: [names]`), else every drawn trial runs on every base",
     # the hardware (`run` plans for this machine's GPUs instead: at most `gpus` of them)
     "gpus": "GPUs for the sweep (default 8)",
     "gpu_memory_gb": "memory of each GPU (default 80; `plan` only)",
@@ -122,6 +126,8 @@ def _plan(args: argparse.Namespace) -> int:
     for key in ("gpus", "gpu_memory_gb", "gpu"):
         if getattr(args, key) is not None:
             sweep[key] = getattr(args, key)
+    if sweep.get("bases"):
+        return _plan_bases(sweep, args)
     trials = sweep_trials(sweep)
     if args.calibration:
         cost_model = CostModel.load(args.calibration)
@@ -139,6 +145,40 @@ def _plan(args: argparse.Namespace) -> int:
           f"{cost_model.dtype}) on {sweep['gpus']} x {gpu.name} ({gpu.memory_gb:g} GB, load factor "
           f"{cost_model.load_factor:g})")
     print(f"cost model: {cost_model.calibration.describe()}")
+    print(result.table())
+    path = args.gantt or os.path.join(sweep["output_dir"], sweep.get("gantt") or "plan.png")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    result.gantt(path)
+    print(f"Gantt chart: {path}")
+    return 0
+
+
+def _plan_bases(sweep: dict, args: argparse.Namespace) -> int:
+    """`plan` of a sweep over several base models (`bases`): one job per base's trials at most
+    shares a GPU at a time; each job names its base."""
+    from .costmodel import CostModel
+    from .planner import plan_bases
+
+    if args.calibration:
+        raise ValueError("A calibration holds one base model's cost model; a sweep with `bases` plans from each "
+                         "base's config.")
+    trials = sweep_trials_by_base(sweep)
+    bases = {}
+    for name, base in sweep["bases"].items():
+        settings = {k: base.get(k, sweep.get(k)) for k in ("max_seq_len", "dtype", "gradient_checkpointing")}
+        cost_model = CostModel.from_model(
+            base["model"], sweep["gpu"], gpu_memory_gb=sweep["gpu_memory_gb"], load_factor=sweep["load_factor"],
+            quantization=quantization_name(base.get("quantization")), **settings,
+            **({"target_modules": sweep["target_modules"]} if sweep.get("target_modules") else {}))
+        bases[name] = (cost_model, trials[name])
+    result = plan_bases(bases, sweep["gpus"], max_adapters_per_job=sweep.get("max_adapters_per_job"),
+                        objective=sweep["objective"])
+    gpu = next(iter(bases.values()))[0].gpu
+    print(f"{sum(len(t) for t in trials.values())} trials of {len(bases)} base models on {sweep['gpus']} x "
+          f"{gpu.name} ({gpu.memory_gb:g} GB, load factor {sweep['load_factor']:g}):")
+    for name, (cost_model, base_trials) in bases.items():
+        print(f"  {name}: {_model_name(sweep['bases'][name]['model'])}, {len(base_trials)} trials, max_seq_len "
+              f"{cost_model.max_seq_len}, {cost_model.quantization or cost_model.dtype}")
     print(result.table())
     path = args.gantt or os.path.join(sweep["output_dir"], sweep.get("gantt") or "plan.png")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -174,12 +214,17 @@ def read_sweep(path: str) -> dict:
     unknown = sorted(set(sweep) - set(SWEEP_KEYS))
     if unknown:
         raise ValueError(f"The sweep file {path!r} has unknown key(s) {unknown}; known keys are {sorted(SWEEP_KEYS)}.")
-    if "model" not in sweep:
+    if "model" not in sweep and "bases" not in sweep:
         raise ValueError(f"The sweep file {path!r} has no `model`: {SWEEP_KEYS['model']}.")
+    bases = sweep.get("bases")
+    if bases is not None and not (isinstance(bases, dict) and bases and all(
+            isinstance(b, dict) and "model" in b and set(b) <= BASE_KEYS for b in bases.values())):
+        raise ValueError(f"The sweep file {path!r} has `bases` {bases!r}, but it must map names to mappings with a "
+                         f"`model` and at most the keys {sorted(BASE_KEYS)}.")
     defaults = dict(max_seq_len=512, dtype="auto", gradient_checkpointing=False, gpus=8, gpu_memory_gb=80,
                     gpu="h100-sxm", load_factor=0.9, n_trials=120, seed=0, steps=200, objective="time",
                     output_dir=os.path.join("lora_sweep_runs", os.path.splitext(os.path.basename(path))[0]))
-    if sweep["model"] == "tiny":
+    if sweep.get("model") == "tiny":
         from .tiny import tiny_model_path, tiny_task_paths
 
         train, dev = tiny_task_paths()
@@ -225,6 +270,40 @@ def sweep_trials(sweep: dict) -> list[TrialConfig]:
         if trial.trial_id is None:
             trial.trial_id = f"t{k:03d}"
     return trials
+
+
+def sweep_trials_by_base(sweep: dict) -> dict[str, list[TrialConfig]]:
+    """The trials of a sweep with `bases`, by base name: an explicit trial's `base` (default the
+    first base); a search space's `base` dimension (a list of names) drawn like the others;
+    without either, every drawn trial on every base, its id suffixed with ``@<base>``."""
+    import random
+
+    names = list(sweep["bases"])
+
+    def checked(base):
+        if base not in sweep["bases"]:
+            raise ValueError(f"A trial's `base` is {base!r}, but must be one of the sweep's bases {names}.")
+        return base
+
+    if sweep.get("trials"):
+        chosen = [checked(t.get("base", names[0])) for t in sweep["trials"]]
+        trials = sweep_trials({**sweep, "trials": [{k: v for k, v in t.items() if k != "base"}
+                                                   for t in sweep["trials"]]})
+    else:
+        space = dict(sweep.get("search_space") or {})
+        drawn = space.pop("base", None)
+        trials = sweep_trials({**sweep, "search_space": space or None})
+        if drawn is None:  # every trial on every base
+            return {name: [dataclasses.replace(t, trial_id=f"{t.trial_id}@{name}") for t in trials]
+                    for name in names}
+        if not isinstance(drawn, list) or not drawn:
+            raise ValueError(f"The search space dimension `base` is {drawn!r}, but must be a list of base names.")
+        rng = random.Random(sweep["seed"])
+        chosen = [checked(rng.choice(drawn)) for _ in trials]
+    by_base: dict[str, list[TrialConfig]] = {name: [] for name in names}
+    for trial, base in zip(trials, chosen):
+        by_base[base].append(trial)
+    return by_base
 
 
 def _number(value: Any) -> Any:
@@ -298,6 +377,9 @@ def _run(args: argparse.Namespace) -> int:
     from .plots import LossCurves
 
     sweep = read_sweep(args.sweep)
+    if sweep.get("bases"):
+        raise ValueError("`lora-sweep run` trains a sweep of one base model (`model`); a sweep with `bases` is "
+                         "planned by `lora-sweep plan`.")
     spec = sweep_spec(sweep)
     trials = sweep_trials(sweep)
     # Plan for this machine: its GPUs (at most the file's `gpus`) and their measured memory, or the CPU.

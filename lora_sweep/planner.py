@@ -27,7 +27,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Literal, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # cvxpy loads only when a MILP is built: importing lora_sweep
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FailedTrial", "Plan", "PlannedJob", "admit", "best_job", "fits_running_job", "pack_microbatches", "plan"]
+__all__ = ["FailedTrial", "Plan", "PlannedJob", "admit", "best_job", "fits_running_job", "pack_microbatches", "plan",
+           "plan_bases"]
 
 
 # --------------------------------------------------------------------------- results
@@ -56,6 +57,7 @@ class PlannedJob:
     gpu_ids: tuple[int, ...] = ()
     memory_per_gpu: float = 0.0  # predicted peak bytes on each of its GPUs
     step_seconds: float = 0.0  # predicted time of its first step (all trials active)
+    base: Optional[str] = None  # the base model's name in a plan of several (`plan_bases`)
 
     @property
     def duration(self) -> float:
@@ -80,7 +82,8 @@ class Plan:
     jobs: list[PlannedJob]
     num_gpus: int
     failed: list[FailedTrial] = field(default_factory=list)
-    cost_model: Optional[CostModel] = field(default=None, repr=False)
+    cost_model: Optional[CostModel] = field(default=None, repr=False)  # of a plan of one base
+    cost_models: dict[str, CostModel] = field(default_factory=dict, repr=False)  # of each base (`plan_bases`)
 
     @property
     def makespan(self) -> float:
@@ -96,10 +99,15 @@ class Plan:
 
     def table(self) -> str:
         """The plan as a text table, one job per line, with a summary line."""
-        lines = [f"{'job':>4} {'gpus':<12} {'start':>9} {'end':>9} {'mem/GPU':>9} {'step':>8}  trials (rank/batch)"]
+        bases = any(j.base is not None for j in self.jobs)
+        width = max((len(str(j.base)) for j in self.jobs), default=4) if bases else 0
+        head = f"{'base':<{width}} " if bases else ""
+        lines = [f"{'job':>4} {head}{'gpus':<12} {'start':>9} {'end':>9} {'mem/GPU':>9} {'step':>8}  "
+                 "trials (rank/batch)"]
         for k, j in enumerate(self.jobs):
             trials = " ".join(f"{_name(t, i)}({t.rank}/{t.batch_size})" for i, t in enumerate(j.trials))
-            lines.append(f"{k:>4} {','.join(map(str, j.gpu_ids)):<12} {_hms(j.start):>9} {_hms(j.end):>9} "
+            base = f"{str(j.base):<{width}} " if bases else ""
+            lines.append(f"{k:>4} {base}{','.join(map(str, j.gpu_ids)):<12} {_hms(j.start):>9} {_hms(j.end):>9} "
                          f"{j.memory_per_gpu / GB:>6.1f} GB {j.step_seconds:>7.2f}s  {trials}")
         for f in self.failed:
             lines.append(f"failed: {f.error}")
@@ -372,7 +380,7 @@ def plan(
     """Schedule every trial of a sweep into packed jobs on `num_gpus` GPUs.
 
     All trials share the base model, sequence length and dtype of `spec_or_model_config`, so
-    any of them may share a job (plan sweeps of several base models one model at a time).
+    any of them may share a job (`plan_bases` plans trials of several base models together).
     The planner follows PLoRA: an event loop starts jobs whenever GPUs are free, until every
     trial is placed. For each launch:
 
@@ -437,45 +445,100 @@ def plan(
     if cost_model is None:
         cost_model = CostModel.from_model(spec_or_model_config, gpu, gpu_memory_gb=gpu_memory_gb,
                                           **cost_model_kwargs)
-    placeable, failed = [], []
-    for trial in trials:
-        try:
-            cost_model.check_trial(trial, num_gpus)
-            placeable.append(trial)
-        except ConfigError as err:
-            warnings.warn(str(err))
-            failed.append(FailedTrial(trial, err))
-    started = time.perf_counter()
-    jobs = _Scheduler(cost_model, placeable, num_gpus, max_adapters_per_job, objective).run()
-    logger.info("Planned %d trials in %d jobs in %.2f s.", len(placeable), len(jobs), time.perf_counter() - started)
+    jobs, failed = _schedule({None: (cost_model, trials)}, num_gpus, max_adapters_per_job, objective)
     return Plan(jobs, num_gpus, failed, cost_model)
 
 
-class _Scheduler:
-    """The event loop of `plan`: state is which trials wait and when each GPU is free."""
+def plan_bases(
+    bases: Mapping[str, tuple[CostModel, Sequence[TrialConfig]]],
+    num_gpus: int = 8,
+    *,
+    max_adapters_per_job: Optional[int] = None,
+    objective: Objective = "time",
+) -> Plan:
+    """Schedule the trials of several base models into packed jobs on the same `num_gpus` GPUs:
+    `plan`'s event loop over all of them at once. A job holds trials of one base only (they
+    share its weights); the anchor of each launch is the pending trial of any base that would
+    take longest alone, and its pack-mates come from its base, with that base's cost model.
 
-    def __init__(self, cm: CostModel, trials: list[TrialConfig], num_gpus: int, max_adapters: Optional[int],
-                 objective: str):
-        self.cm, self.trials, self.num_gpus = cm, trials, num_gpus
+    Example:
+
+        .. code::
+
+            small = CostModel.from_model("qwen2.5-0.5b", "h100-sxm", max_seq_len=512)
+            large = CostModel.from_model("qwen2.5-7b", "h100-sxm", max_seq_len=512)
+            p = plan_bases({"0.5b": (small, trials_small), "7b": (large, trials_large)}, num_gpus=8)
+            print(p.table())  # each job names its base
+
+    Args:
+        bases:
+            Each base's name -> (its `CostModel`, its trials). Trial ids need not differ
+            between bases.
+        num_gpus, max_adapters_per_job, objective:
+            As in `plan`.
+
+    Returns:
+        The `Plan`; each job's `base` names its base, and `cost_models` holds every base's.
+    """
+    if not isinstance(num_gpus, int) or num_gpus < 1:
+        raise ValueError(f"The value of `num_gpus` is {num_gpus!r}, but must be an integer >= 1.")
+    jobs, failed = _schedule(dict(bases), num_gpus, max_adapters_per_job, objective)
+    return Plan(jobs, num_gpus, failed, cost_models={name: cm for name, (cm, _) in bases.items()})
+
+
+def _schedule(bases: dict, num_gpus: int, max_adapters: Optional[int], objective: str):
+    """(jobs, failed trials) of `_Scheduler` over `bases` (name -> (cost model, trials)), the
+    trials that fit in memory even alone on all the GPUs; the others fail with a warning."""
+    groups, failed = [], []
+    for name, (cm, trials) in bases.items():
+        placeable = []
+        for trial in trials:
+            try:
+                cm.check_trial(trial, num_gpus)
+                placeable.append(trial)
+            except ConfigError as err:
+                warnings.warn(str(err))
+                failed.append(FailedTrial(trial, err))
+        groups.append((name, cm, placeable))
+    started = time.perf_counter()
+    jobs = _Scheduler(groups, num_gpus, max_adapters, objective).run()
+    logger.info("Planned %d trials in %d jobs in %.2f s.", sum(len(t) for _, _, t in groups), len(jobs),
+                time.perf_counter() - started)
+    return jobs, failed
+
+
+class _Scheduler:
+    """The event loop of `plan`: state is which trials wait and when each GPU is free. Trials
+    come in groups of one base each (name, cost model, trials); a job takes one group's."""
+
+    def __init__(self, groups: list[tuple[Optional[str], CostModel, list[TrialConfig]]], num_gpus: int,
+                 max_adapters: Optional[int], objective: str):
+        self.groups, self.num_gpus = groups, num_gpus
         self.max_adapters, self.objective = max_adapters, objective
-        self.pending = np.ones(len(trials), dtype=bool)
+        self.trials = [t for _, _, trials in groups for t in trials]
+        self.group_of = np.array([g for g, (_, _, trials) in enumerate(groups) for _ in trials], dtype=int)
+        self.members = [np.flatnonzero(self.group_of == g) for g in range(len(groups))]  # each group's trials
+        cms = [groups[g][1] for g in self.group_of]
+        self.pending = np.ones(len(self.trials), dtype=bool)
         self.free_at = np.zeros(num_gpus)  # when each GPU finishes its current job
-        self.milps: dict[int, _JobMILP] = {}  # one per GPU count, built on first use
-        self.eligible: dict[int, np.ndarray] = {}  # per GPU count: trials that may fill its jobs
-        self.min_gpus = np.array([cm.min_gpus(t, num_gpus) for t in trials], dtype=int)
-        self.alone = np.array([cm.job_seconds([t], d) for t, d in zip(trials, self.min_gpus)])
-        self.work = np.array([packed_seconds(cm, t, d, max_adapters) for t, d in zip(trials, self.min_gpus)])
+        self.milps: dict[tuple[int, int], _JobMILP] = {}  # one per (group, GPU count), built on first use
+        self.eligible: dict[tuple[int, int], np.ndarray] = {}  # per (group, GPU count): trials that may fill its jobs
+        self.min_gpus = np.array([cm.min_gpus(t, num_gpus) for cm, t in zip(cms, self.trials)], dtype=int)
+        self.alone = np.array([cm.job_seconds([t], d) for cm, t, d in zip(cms, self.trials, self.min_gpus)])
+        self.work = np.array([packed_seconds(cm, t, d, max_adapters)
+                              for cm, t, d in zip(cms, self.trials, self.min_gpus)])
         self.lpt_order = np.argsort(-self.alone, kind="stable")
 
-    def milp(self, d: int) -> _JobMILP:
-        if d not in self.milps:
-            self.milps[d] = _JobMILP(self.cm, self.trials, d, self.max_adapters, self.objective)
+    def milp(self, g: int, d: int) -> _JobMILP:
+        if (g, d) not in self.milps:
+            _, cm, trials = self.groups[g]
+            self.milps[g, d] = _JobMILP(cm, trials, d, self.max_adapters, self.objective)
             # A trial joins a job on d GPUs only if it costs no more GPU time there than its
             # estimate (`work`): an anchor that needs many GPUs should not drag pack-mates
             # onto them that run cheaper in smaller jobs.
-            own = np.array([d * self.cm.trial_job_seconds(t, d) for t in self.trials])
-            self.eligible[d] = own <= self.work * (1 + 1e-9)
-        return self.milps[d]
+            own = np.array([d * cm.trial_job_seconds(t, d) for t in trials])
+            self.eligible[g, d] = own <= self.work[self.members[g]] * (1 + 1e-9)
+        return self.milps[g, d]
 
     def run(self) -> list[PlannedJob]:
         jobs, now = [], 0.0
@@ -486,13 +549,14 @@ class _Scheduler:
                 now = float(self.free_at[self.free_at > now].min())
                 continue
             chosen, d = job
+            name, cm, _ = self.groups[self.group_of[chosen[0]]]
             members = [self.trials[i] for i in chosen]
-            duration = self.cm.job_seconds(members, d)
+            duration = cm.job_seconds(members, d)
             gpu_ids = _pick_gpus(free, d)
             self.free_at[list(gpu_ids)] = now + duration
             self.pending[chosen] = False
-            jobs.append(PlannedJob(members, d, now, now + duration, gpu_ids, self.cm.memory_per_gpu(members, d),
-                                   self.cm.job_step_seconds(members, d)))
+            jobs.append(PlannedJob(members, d, now, now + duration, gpu_ids, cm.memory_per_gpu(members, d),
+                                   cm.job_step_seconds(members, d), name))
         return jobs
 
     def _next_job(self, now: float, free: list[int]) -> Optional[tuple[np.ndarray, int]]:
@@ -514,31 +578,36 @@ class _Scheduler:
                 break
         else:
             return None
+        g = self.group_of[anchor]
+        _, cm, trials = self.groups[g]
+        local = self.members[g]
+        anchor_local = int(np.searchsorted(local, anchor))
 
-        # 3. DTM: the best job around the anchor for each GPU count, by throughput per GPU
+        # 3. DTM: the best job of the anchor's base around it for each GPU count, by throughput per GPU
         best = None
         for d in gpu_counts(self.num_gpus):
             if not self.min_gpus[anchor] <= d <= len(free):
                 continue
-            alone = self.cm.job_seconds([self.trials[anchor]], d)
+            alone = cm.job_seconds([self.trials[anchor]], d)
             if now + alone > deadline:
                 continue
             # one GPU has no tail to balance: nothing else could run while this job runs
             cap = deadline - now if self.num_gpus == 1 else min(max(level - now, alone), deadline - now)
-            milp = self.milp(d)
-            available = self.pending & self.eligible[d]
-            available[anchor] = True
-            x = milp.solve(available, anchor, cap)
+            milp = self.milp(g, d)
+            available = self.pending[local] & self.eligible[g, d]
+            available[anchor_local] = True
+            x = milp.solve(available, anchor_local, cap)
             if best is None or milp.ratio(x) / d > best[0]:
                 best = (milp.ratio(x) / d, x, d)
         _, x, d = best
+        chosen = local[np.flatnonzero(x)]
 
         # 4. tail: the last pending trials take the free GPU count that ends them soonest
-        if x.sum() == self.pending.sum():
-            members = [self.trials[i] for i in np.flatnonzero(x)]
-            d = min((k for k in gpu_counts(self.num_gpus) if k <= len(free) and self.cm.fits(members, k)),
-                    key=lambda k: self.cm.job_seconds(members, k))
-        return np.flatnonzero(x), d
+        if len(chosen) == self.pending.sum():
+            members = [self.trials[i] for i in chosen]
+            d = min((k for k in gpu_counts(self.num_gpus) if k <= len(free) and cm.fits(members, k)),
+                    key=lambda k: cm.job_seconds(members, k))
+        return chosen, d
 
 
 def _pick_gpus(free: list[int], d: int) -> tuple[int, ...]:

@@ -50,7 +50,7 @@ def test_plan_explicit_trials_and_a_dict_model(tmp_path, capsys, monkeypatch):
                    {"rank": 8, "alpha": 8, "batch_size": 4096, "trial_id": "huge"}],
     }
     path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump(sweep))
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
     monkeypatch.chdir(tmp_path)
     with pytest.warns(UserWarning, match="'huge'"):
         assert main(["plan", str(path), "--gpus", "1"]) == 0
@@ -94,3 +94,36 @@ def test_the_tiny_example_sweep_plans_six_trials(tmp_path, capsys):
     assert main(["plan", tiny, "--gantt", str(tmp_path / "plan.png")]) == 0
     summary = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("6 trials in"))
     assert "0 failed" in summary
+
+
+def test_plan_a_sweep_over_three_bases(tmp_path, capsys):
+    """`bases`: each with its own model and settings; a search space draws each trial's base,
+    explicit trials name theirs, and without either every trial runs on every base."""
+    sweep = {"bases": {"small": {"model": "qwen2.5-0.5b", "max_seq_len": 256},
+                       "mid": {"model": "llama-3.2-1b", "quantization": "nf4"},
+                       "large": {"model": "qwen2.5-7b"}},
+             "gpus": 8, "n_trials": 30, "steps": 100,
+             "search_space": {"base": ["small", "mid", "large"], "rank": [8, 16, 64], "batch_size": [1, 4, 16]},
+             "output_dir": str(tmp_path)}
+    path = tmp_path / "bases.yaml"
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    assert main(["plan", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("30 trials of 3 base models on 8 x h100-sxm")
+    assert any("small: qwen2.5-0.5b" in ln and "max_seq_len 256" in ln for ln in lines)
+    assert any("mid: llama-3.2-1b" in ln and "nf4" in ln for ln in lines)
+    jobs = [ln.split() for ln in lines if ln[:4].strip().isdigit()]
+    assert jobs and {j[1] for j in jobs} <= {"small", "mid", "large"} and len({j[1] for j in jobs}) == 3
+    assert "0 failed" in next(ln for ln in lines if ln.startswith("30 trials in"))
+
+    from lora_sweep.cli import sweep_trials_by_base
+    crossed = sweep_trials_by_base(read_sweep(str(path)) | {"search_space": {"rank": [8, 16]}, "n_trials": 4})
+    assert [len(v) for v in crossed.values()] == [4, 4, 4] and crossed["mid"][0].trial_id.endswith("@mid")
+    explicit = read_sweep(str(path)) | {"trials": [{"rank": 8, "base": "large"}, {"rank": 16}]}
+    assert {k: [t.rank for t in v] for k, v in sweep_trials_by_base(explicit).items()} == \
+        {"small": [16], "mid": [], "large": [8]}
+    with pytest.raises(ValueError, match="must be one of the sweep's bases"):
+        sweep_trials_by_base(explicit | {"trials": [{"rank": 8, "base": "huge"}]})
+    path.write_text(yaml.safe_dump(sweep | {"bases": {"small": {"max_seq_len": 256}}}))
+    assert main(["plan", str(path)]) != 0
+    assert "must map names to mappings with a `model`" in capsys.readouterr().err

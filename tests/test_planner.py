@@ -14,7 +14,7 @@ import pytest
 
 from lora_sweep.config import ConfigError, TrialConfig
 from lora_sweep.costmodel import CostModel
-from lora_sweep.planner import FailedTrial, Plan, admit, best_job, pack_microbatches, packed_seconds, plan
+from lora_sweep.planner import FailedTrial, Plan, admit, best_job, pack_microbatches, packed_seconds, plan, plan_bases
 from lora_sweep.planner import _first_fit_decreasing
 
 QWEN_7B = "qwen2.5-7b"
@@ -121,6 +121,37 @@ def _check_schedule(p: Plan, trials, cm):
         spans = sorted((j.start, j.end) for j in p.jobs if g in j.gpu_ids)
         assert all(a_end <= b_start + 1e-9 for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
     assert p.makespan >= p.lower_bound * (1 - 1e-12)
+
+
+def test_trials_of_three_bases_share_8_gpus_in_jobs_of_one_base_each():
+    """40 Table-1 configs on each of Qwen2.5-0.5B, Llama-3.2-1B and Qwen2.5-7B, on 8 GPUs: every
+    trial in one job of its own base, within memory and without two jobs on a GPU at once,
+    and the makespan within 1.15x of the lower bound."""
+    names = ("qwen2.5-0.5b", "llama-3.2-1b", QWEN_7B)
+    bases = {name: (CostModel.from_model(name, gpu="h100-sxm", max_seq_len=512), plora_table1(40, seed=k))
+             for k, name in enumerate(names)}
+    p = plan_bases(bases, num_gpus=8)
+    assert not p.failed and set(p.cost_models) == set(names)
+    for name, (cm, trials) in bases.items():
+        jobs = [j for j in p.jobs if j.base == name]
+        assert sorted(id(t) for j in jobs for t in j.trials) == sorted(map(id, trials))  # one job each, its base's
+        for j in jobs:
+            assert cm.memory_per_gpu(j.trials, j.num_gpus) <= cm.capacity_bytes
+            assert j.end - j.start == pytest.approx(cm.job_seconds(j.trials, j.num_gpus))
+    for g in range(8):
+        spans = sorted((j.start, j.end) for j in p.jobs if g in j.gpu_ids)
+        assert all(a_end <= b_start + 1e-9 for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert p.ratio <= 1.15
+    assert all(name in p.table() for name in names)
+
+
+def test_one_base_plans_as_plan_does(cm):
+    trials = plora_table1(24, seed=3)
+    one = plan(None, trials, num_gpus=4, cost_model=cm)
+    same = plan_bases({"7b": (cm, trials)}, num_gpus=4)
+    assert [(j.start, j.end, j.gpu_ids, [t.trial_id for t in j.trials]) for j in same.jobs] == \
+        [(j.start, j.end, j.gpu_ids, [t.trial_id for t in j.trials]) for j in one.jobs]
+    assert {j.base for j in same.jobs} == {"7b"} and {j.base for j in one.jobs} == {None}
 
 
 def test_plan_120_table1_configs_qwen7b_8_gpus(cm):

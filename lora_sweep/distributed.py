@@ -161,15 +161,14 @@ def _checkpoint_files(checkpoint_dir: str) -> dict:
             names = json.load(f)["weight_map"]
     else:
         names = None
-    handles, files = {}, {}
+    files = {}
     for file in sorted(set(names.values())) if names else ["model.safetensors"]:
         path = os.path.join(checkpoint_dir, file)
         if not os.path.exists(path):
             raise ValueError(f"{checkpoint_dir} has no safetensors checkpoint ({file}): a sharded base is read "
                              "from safetensors files only.")
-        handles[file] = safe_open(path, framework="pt")
-        for key in handles[file].keys():
-            files[key] = handles[file]
+        handle = safe_open(path, framework="pt")
+        files.update((key, handle) for key in handle.keys())
     return files
 
 

@@ -311,11 +311,10 @@ class PackedJob:
         # Microbatch layout. On CUDA samples are packed back to back in one row, no padding
         # waste, with an attention that keeps them apart (attention.packed_attention); a step
         # replayed from a CUDA graph packs them so too, then pads the row to a token bucket
-        # (graphed.py). On CPU
-        # each sample gets a row padded to the microbatch's longest sample. padding="max_seq_len"
-        # pads every row to max_seq_len: then the backward's reductions over the sequence run in
-        # the same order whoever the pack-mates are (bit-identical isolation), at the cost of
-        # computing the padding.
+        # (graphed.py). On CPU each sample gets a row padded to the microbatch's longest
+        # sample. padding="max_seq_len" pads every row to max_seq_len: then the backward's
+        # reductions over the sequence run in the same order whoever the pack-mates are
+        # (bit-identical isolation), at the cost of computing the padding.
         padding = spec.padding if spec.padding != "auto" else ("packed" if self.device.type == "cuda"
                                                                else "longest")
         window = sliding_window(self.model.config)

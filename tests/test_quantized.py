@@ -141,3 +141,17 @@ def test_quantization_takes_known_formats_and_a_loadable_base(tiny_llama_dir, to
         make_spec(tiny_llama_dir, toy_data, tmp_path, quantization="int4")
     with pytest.raises(ConfigError, match="factory returns its model as it is"):
         make_spec(lambda: None, toy_data, tmp_path, quantization="nf4", tokenizer=tiny_llama_dir)
+
+
+def test_the_benchmark_builds_a_4bit_base_layer_by_layer_and_both_sides_train_on_it(tmp_path):
+    from benchmarks.quantized import build_quantized, main
+
+    model = build_quantized("tiny", "nf4", "cpu", torch.float32)
+    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m).__name__ == "Linear4bit" and m.weight.dtype == torch.uint8 for m in linears)
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    logits = model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    result = main(["--dry", "--out", str(tmp_path / "q.json"), "--work-dir", str(tmp_path / "work")])
+    assert [(r["method"], r["k"]) for r in result["runs"]] == [("packed", 2), ("peft", 1)]
+    assert all(r["tokens_per_s"] > 0 for r in result["runs"]) and result["versions"]["bitsandbytes"]

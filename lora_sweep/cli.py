@@ -106,12 +106,21 @@ def _parser() -> argparse.ArgumentParser:
         "run", help="train a sweep on this machine's GPUs (or the CPU)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Plan a sweep for this machine's GPUs (or the CPU) and train it: each GPU trains its jobs\n"
-        "one after another in the plan's order; every job must fit one GPU. Prints the results table\n"
+        "one after another in the plan's order; a job planned on d GPUs runs over d ranks (torchrun).\n"
+        "Prints the results table\n"
         "with each trial's adapter directory and draws every trial's loss curves in\n"
         "<output_dir>/loss_curves.png.\n\nSweep file keys (see examples/sweep.yaml):\n"
         + "\n".join(f"  {k}: {v}" for k, v in SWEEP_KEYS.items()))
     run.add_argument("sweep", help="the sweep YAML file")
     run.set_defaults(func=_run)
+
+    ranks = commands.add_parser("train-ranks", help="one rank of a planned job on several GPUs (`run` starts it "
+                                "under torchrun)")
+    ranks.add_argument("sweep", help="the sweep YAML file")
+    ranks.add_argument("--trials", required=True, help="JSON list of the job's trials (TrialConfig fields)")
+    ranks.add_argument("--events", required=True, help="where rank 0 writes the job's events, a JSON object a line")
+    ranks.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ranks.set_defaults(func=_train_ranks)
     return parser
 
 
@@ -387,31 +396,39 @@ def _run(args: argparse.Namespace) -> int:
     cost_model = CostModel.from_model(spec, None, load_factor=sweep["load_factor"])
     result = plan(None, trials, max(1, devices), cost_model=cost_model,
                   max_adapters_per_job=sweep.get("max_adapters_per_job"), objective=sweep["objective"])
-    wide = [k for k, job in enumerate(result.jobs) if job.num_gpus > 1]
-    if wide:
-        raise ValueError(f"The plan puts job(s) {wide} on more than one GPU (the model does not fit one with its "
-                         "trials); `lora-sweep run` trains one GPU per job: lower `max_seq_len`, set "
-                         "`gradient_checkpointing: true` or use smaller trials.")
     where = f"{devices} x {cost_model.gpu.name}" if devices else "the CPU"
     print(f"{len(trials)} trials of {spec.model_name} on {where}, {len(result.jobs)} packed job(s):")
     print(result.table())
 
-    # Each device trains its jobs one after another, in the plan's order; devices run side by side.
-    queues: dict[str, list] = {}
-    for job in sorted(result.jobs, key=lambda j: (j.start, j.gpu_ids)):
-        device = f"cuda:{job.gpu_ids[0]}" if devices else "cpu"
-        queues.setdefault(device, []).append(job)
+    # Each job starts once the jobs planned before it on its GPUs are done; jobs on other GPUs
+    # run side by side. A job on d > 1 GPUs runs over d ranks under torchrun (`_train_on_ranks`).
     curves, results, errors = LossCurves(), {}, []
     lock = threading.Lock()
+    last_on: dict = {}  # GPU id (or "cpu") -> the done event of the last job queued there
 
-    def train_on(device: str) -> None:
+    def train(job, after: list, done: threading.Event) -> None:
         try:
-            for job in queues[device]:
+            for event in after:
+                event.wait()
+            if errors:
+                return
+            if job.num_gpus > 1:
+                _train_on_ranks(args.sweep, job, "cuda" if devices else "cpu", curves, results, lock)
+            else:
+                device = f"cuda:{job.gpu_ids[0]}" if devices else "cpu"
                 _train_job(dataclasses.replace(spec, device=device), job.trials, curves, results, lock)
         except Exception as e:  # noqa: BLE001 - re-raised in the main thread
             errors.append(e)
+        finally:
+            done.set()
 
-    threads = [threading.Thread(target=train_on, args=(d,), name=f"lora-sweep-{d}") for d in queues]
+    threads = []
+    for k, job in enumerate(sorted(result.jobs, key=lambda j: (j.start, j.gpu_ids))):
+        places = job.gpu_ids if devices else ("cpu",)
+        done = threading.Event()
+        after = [last_on[g] for g in places if g in last_on]
+        last_on.update((g, done) for g in places)
+        threads.append(threading.Thread(target=train, args=(job, after, done), name=f"lora-sweep-job-{k}"))
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -460,6 +477,60 @@ def _train_job(spec, trials: list[TrialConfig], curves, results: dict, lock: Opt
                 results[event.trial_id] = event
             elif isinstance(event, Failed):
                 print(f"  {event.trial_id} failed: {event.reason}")
+
+
+def _train_on_ranks(sweep_path: str, job, device: str, curves, results: dict, lock) -> None:
+    """Train a planned job on its `job.num_gpus` GPUs (`job.gpu_ids`; on the CPU, that many gloo
+    ranks): `lora-sweep train-ranks` under ``torchrun --nproc-per-node d``, one process per
+    rank, rank 0 writing the job's events to a file that is then read like `_train_job`'s."""
+    import json
+    import subprocess
+    import tempfile
+
+    from .engine import Failed, Finished, Report
+
+    with tempfile.TemporaryDirectory(prefix="lora-sweep-ranks-") as tmp:
+        trials_path, events_path = os.path.join(tmp, "trials.json"), os.path.join(tmp, "events.jsonl")
+        with open(trials_path, "w") as f:
+            json.dump([t.to_dict() for t in job.trials], f)
+        env = dict(os.environ)
+        if device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in job.gpu_ids)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job.num_gpus),
+                   "--standalone", "-m", "lora_sweep.cli", "train-ranks", sweep_path, "--trials", trials_path,
+                   "--events", events_path, "--device", device]
+        done = subprocess.run(command, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"The job of {len(job.trials)} trials on {job.num_gpus} ranks (GPUs {job.gpu_ids}) "
+                               f"exited with status {done.returncode}; its ranks' output is above.")
+        kinds = {"Report": Report, "Finished": Finished, "Failed": Failed}
+        with open(events_path) as f:
+            for line in f:
+                fields = json.loads(line)
+                event = kinds[fields.pop("kind")](**fields)
+                with lock:
+                    curves.add(event)
+                    if isinstance(event, Finished):
+                        results[event.trial_id] = event
+                    elif isinstance(event, Failed):
+                        print(f"  {event.trial_id} failed: {event.reason}")
+
+
+def _train_ranks(args: argparse.Namespace) -> int:
+    """One rank of `_train_on_ranks`' job: every rank trains its share; rank 0 writes the events."""
+    import json
+
+    from .engine import PackedJob
+
+    spec = dataclasses.replace(sweep_spec(read_sweep(args.sweep)), device=args.device)
+    with open(args.trials) as f:
+        trials = [TrialConfig.from_dict(t) for t in json.load(f)]
+    rank = int(os.environ.get("RANK", "0"))
+    with open(args.events, "w") if rank == 0 else open(os.devnull, "w") as out:
+        for event in PackedJob(spec, trials, progress=rank == 0).run():
+            out.write(json.dumps({"kind": type(event).__name__, **dataclasses.asdict(event)}) + "\n")
+            out.flush()
+    return 0
 
 
 def _metric(spec) -> str:

@@ -46,6 +46,12 @@ def test_run_refuses_what_it_cannot_train(tmp_path, capsys, monkeypatch):
     assert main(["run", _sweep_file(tmp_path, model="qwen2.5-7b")]) == 2
     assert "`run` needs its weights" in capsys.readouterr().err
 
+    assert not (tmp_path / "runs" / "adapters").exists()  # refused before any training
+
+
+def test_run_trains_a_job_planned_on_two_gpus_over_two_ranks(tmp_path, capsys, monkeypatch):
+    """A job the plan puts on two GPUs runs under torchrun over two ranks (here gloo ranks on
+    the CPU): its trials finish, their adapters are saved, and the results table lists them."""
     plan = lora_sweep.planner.plan
 
     def plan_on_two_gpus(*args, **kwargs):
@@ -54,9 +60,12 @@ def test_run_refuses_what_it_cannot_train(tmp_path, capsys, monkeypatch):
         return result
 
     monkeypatch.setattr(lora_sweep.planner, "plan", plan_on_two_gpus)
-    assert main(["run", _sweep_file(tmp_path)]) == 2
-    assert "more than one GPU" in capsys.readouterr().err
-    assert not (tmp_path / "runs" / "adapters").exists()  # refused before any training
+    assert main(["run", _sweep_file(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for trial_id in ("a", "b"):
+        adapter = tmp_path / "runs" / "adapters" / trial_id
+        assert (adapter / "adapter_model.safetensors").is_file()
+        assert any(line.split()[0] == trial_id and line.endswith(str(adapter)) for line in out.splitlines())
 
 
 @pytest.mark.filterwarnings("ignore")

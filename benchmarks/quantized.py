@@ -1,7 +1,7 @@
 """QLoRA: packed adapters on a 4-bit base, against PEFT's QLoRA alone on the same base.
 
-* The base: a real architecture from its config (`costmodel.PRESETS`, and the 32B and 70B
-  shapes below), random weights, every decoder layer's linears quantized by bitsandbytes as
+* The base: a real architecture from its config (`costmodel.PRESETS`, up to Llama-3.1-70B),
+  random weights, every decoder layer's linears quantized by bitsandbytes as
   soon as that layer is built (`build_quantized`): the model never exists in bf16, so a 70B
   base (about 37 GB in NF4) builds on one 80 GB GPU.
 * packed: one `PackedJob` of K rank-16 adapters on it (batch 1, samples of `sweep_gpu`'s
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import statistics
 import time
 
@@ -32,17 +30,12 @@ import torch
 from torch import nn
 
 import lora_sweep as ls
+from benchmarks.peers import _version, _write
 from lora_sweep.costmodel import PRESETS, ModelShape
 
-SHAPES = {
-    **PRESETS,
-    "qwen2.5-32b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=649, tie_word_embeddings=False),
-}
+# the presets, and a shape of the bundled tokenizer's vocabulary for `--dry`
+SHAPES = {**PRESETS, "tiny": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=649)}
 
 
 def build_quantized(name: str, quantization: str, device: str, dtype: torch.dtype) -> nn.Module:
@@ -203,20 +196,6 @@ def main(argv=None) -> dict:
         print(f"peft alone: {result['runs'][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
     _write(result, args.out)
     return result
-
-
-def _version(dist: str):
-    from importlib import metadata
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _write(result: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -154,12 +154,7 @@ def _plan(args: argparse.Namespace) -> int:
           f"{cost_model.dtype}) on {sweep['gpus']} x {gpu.name} ({gpu.memory_gb:g} GB, load factor "
           f"{cost_model.load_factor:g})")
     print(f"cost model: {cost_model.calibration.describe()}")
-    print(result.table())
-    path = args.gantt or os.path.join(sweep["output_dir"], sweep.get("gantt") or "plan.png")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    result.gantt(path)
-    print(f"Gantt chart: {path}")
-    return 0
+    return _print_plan(result, sweep, args)
 
 
 def _plan_bases(sweep: dict, args: argparse.Namespace) -> int:
@@ -188,6 +183,11 @@ def _plan_bases(sweep: dict, args: argparse.Namespace) -> int:
     for name, (cost_model, base_trials) in bases.items():
         print(f"  {name}: {_model_name(sweep['bases'][name]['model'])}, {len(base_trials)} trials, max_seq_len "
               f"{cost_model.max_seq_len}, {cost_model.quantization or cost_model.dtype}")
+    return _print_plan(result, sweep, args)
+
+
+def _print_plan(result, sweep: dict, args: argparse.Namespace) -> int:
+    """Print `result`'s table and draw its Gantt chart where the command line or the sweep says."""
     print(result.table())
     path = args.gantt or os.path.join(sweep["output_dir"], sweep.get("gantt") or "plan.png")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

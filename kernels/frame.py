@@ -18,7 +18,7 @@ The last segment is the padding after the samples (no adapter, any length, zero 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -102,14 +102,17 @@ class TableFrame:
         the current stream on. The pinned twins are reused: the caller waits for the kernels
         that read the previous layout before filling again."""
         self.seg_lens = self._check(seg_lens)
+        routings: dict = {}  # shapes whose tables route alike share one computation
         for entry in self._tables.values():
-            self._write(entry, self.seg_lens)
+            self._write(entry, self.seg_lens, routings)
 
-    def _write(self, entry, seg_lens) -> None:
+    def _write(self, entry, seg_lens, routings: Optional[dict] = None) -> None:
         meta, buffer, host, dropout_p = entry
-        has_lora = tuple(r > 0 for r in meta.ranks)
-        tiles, block_tiles, chunks, first, count = routing_rows(seg_lens, has_lora, meta.config.block_m,
-                                                                meta.chunk_rows)
+        key = (tuple(r > 0 for r in meta.ranks), meta.config.block_m, meta.chunk_rows)
+        routings = {} if routings is None else routings
+        if key not in routings:
+            routings[key] = routing_rows(seg_lens, *key)
+        tiles, block_tiles, chunks, first, count = routings[key]
         pad = (len(seg_lens) - 1, self.tokens, self.tokens)  # empty rows of the padding segment
         tiles_h, blocks_h, chunks_h, adapters_h = self.views(host, meta.n_tiles, meta.n_chunks, len(meta.ranks))
         tiles_h.numpy()[:] = np.array(tiles + [pad] * (meta.n_tiles - len(tiles)), dtype=np.int64).reshape(-1, 3)

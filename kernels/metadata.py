@@ -505,7 +505,11 @@ def make_shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: 
     has_lora = tuple(r > 0 for r in ranks)
     n_sms = sm_count(device)
     chunk_rows = reduce_chunk_rows(seg_lens, has_lora, max(da_programs, db_programs), config, n_sms)
-    tiles, block_tiles, chunks, chunk_first, chunk_count = routing_rows(seg_lens, has_lora, bm, chunk_rows)
+    if frame is None:  # the layout's own tables, built once and shared by the shapes whose chunks are as long
+        routing, (tiles_t, block_tiles_t, chunks_t) = _routing_tables(seg_lens, has_lora, bm, chunk_rows, device)
+    else:
+        routing = routing_rows(seg_lens, has_lora, bm, chunk_rows)
+    tiles, block_tiles, chunks, chunk_first, chunk_count = routing
     tile_rows = [(i, r1 - r0) for i, r0, r1 in tiles]
     rows_i = adapter_int_rows(seg_lens, ranks, dropout_p, chunk_first, chunk_count)
     rows_f = [(scales[i], 1.0 / (1.0 - (check_dropout_p(dropout_p[i]) if rank else 0.0)))
@@ -513,7 +517,6 @@ def make_shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: 
     longest_chunk = min(chunk_rows, max((rows for rows, lora in zip(seg_lens, has_lora) if lora), default=0))
     max_chunks_per_adapter = max(chunk_count, default=0)
     if frame is None:
-        tiles_t, block_tiles_t, chunks_t = _routing_tables(seg_lens, has_lora, bm, chunk_rows, device)
         adapters_i = device_table(rows_i, len(ADAPTER_INT_COLS), torch.int64, device)
         n_tiles = len(tiles)
     else:  # room for the most tiles and chunks of any layout of the frame, in one buffer
@@ -608,9 +611,10 @@ def routing_rows(seg_lens, has_lora, block_m: int, chunk_rows: int):
 
 @functools.lru_cache(maxsize=64)
 def _routing_tables(seg_lens: tuple, has_lora: tuple, block_m: int, chunk_rows: int, device: torch.device):
-    """`routing_rows`' tile, row-block and chunk tables on the device: built and copied once
-    per layout, and shared by the shapes whose chunks are as long."""
-    tiles, block_tiles, chunks, _, _ = routing_rows(seg_lens, has_lora, block_m, chunk_rows)
-    return (device_table(tiles, len(TILE_COLS), torch.int64, device),
-            device_table(block_tiles, 1, torch.int64, device).reshape(-1),
-            device_table(chunks, len(TILE_COLS), torch.int64, device))
+    """`routing_rows`' host lists, and its tile, row-block and chunk tables on the device: built
+    and copied once per layout, and shared by the shapes whose chunks are as long."""
+    routing = routing_rows(seg_lens, has_lora, block_m, chunk_rows)
+    tiles, block_tiles, chunks, _, _ = routing
+    return routing, (device_table(tiles, len(TILE_COLS), torch.int64, device),
+                     device_table(block_tiles, 1, torch.int64, device).reshape(-1),
+                     device_table(chunks, len(TILE_COLS), torch.int64, device))

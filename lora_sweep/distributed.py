@@ -44,6 +44,7 @@ off in a d-rank job.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Optional
@@ -81,9 +82,17 @@ def attach(device: torch.device) -> Optional["Ranks"]:
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+        # the group made here is taken down here: a process that exits with it still up may
+        # abort in its backend's threads ("terminate called without an active exception")
+        atexit.register(_destroy_group)
     if dist.get_world_size() == 1:
         return None
     return Ranks()
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shard_base(body: nn.Module) -> None:
@@ -138,12 +147,13 @@ def materialize(model: nn.Module, checkpoint_dir: str, device: torch.device, dty
             else:
                 param.copy_(rows[:].to(dtype))
         for module_name, module in model.named_modules():
+            fresh = None  # the module rebuilt, once, for the buffers the checkpoint lacks
             for name, buffer in list(module.named_buffers(recurse=False)):
                 key = f"{module_name}.{name}" if module_name else name
                 if key in files:
                     buffer.copy_(files[key].get_tensor(key))
                     continue
-                fresh = _fresh_copy(module, key)
+                fresh = _fresh_copy(module, key) if fresh is None else fresh
                 module.register_buffer(name, getattr(fresh, name).to(device), persistent=False)
     return model.get_output_embeddings().weight
 

@@ -8,6 +8,8 @@ import os
 # The Triton kernels run in Triton's interpreter on CPU tensors. It must be on before any
 # @triton.jit function is defined, i.e. before the first import of lora_sweep's kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Nothing is downloaded: a name that is not a saved model fails at once instead of retrying the hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import importlib  # noqa: E402
 import random  # noqa: E402

@@ -102,7 +102,7 @@ def _base_model(task):
     """The task's model, frozen: the bundled tiny model on the CPU, else random bf16 weights on the GPU;
     with `--quantization`, loaded from `model_dir` with its linears quantized by bitsandbytes."""
     torch.manual_seed(0)  # the same base weights in every process
-    if task["quantization"]:
+    if task.get("quantization"):
         from transformers import AutoModelForCausalLM
 
         from lora_sweep.quantized import bitsandbytes_config
@@ -381,6 +381,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="llama-3.2-1b", help="a name in lora_sweep.costmodel.PRESETS")
     parser.add_argument("--seq", type=int, default=256, help="max_seq_len; samples average about 40%% of it")
     parser.add_argument("--k", default="8,16,32", help="trials on the GPU at once, comma-separated")
+    parser.add_argument("--packed-k", default=None, help="adapters of the packed methods' jobs, if not --k's")
     parser.add_argument("--steps", type=int, default=30, help="timed steps of every process")
     parser.add_argument("--warmup", type=int, default=5, help="steps before the barrier (at least 1)")
     parser.add_argument("--peers", default="peft,unsloth,packed", help="methods, comma-separated")
@@ -404,8 +405,9 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"`--peers` takes peft, unsloth, packed and packed-eager, got {', '.join(sorted(unknown))}.")
     ks, dropouts = [int(k) for k in args.k.split(",")], [float(d) for d in args.dropout.split(",")]
+    packed_ks = [int(k) for k in args.packed_k.split(",")] if args.packed_k else ks
     if args.dry:
-        args.model, args.seq, args.steps, args.warmup, args.rows, ks = "tiny", 64, 2, 1, 64, [2]
+        args.model, args.seq, args.steps, args.warmup, args.rows, ks, packed_ks = "tiny", 64, 2, 1, 64, [2], [2]
 
     from transformers import AutoTokenizer
 
@@ -446,7 +448,7 @@ def main(argv=None) -> dict:
         for method in methods:
             for dropout in ([0.0] if method == "unsloth" else dropouts):
                 too_big = None  # the smallest K that did not fit: larger K are skipped
-                for k in ks:
+                for k in (packed_ks if method in PACKED else ks):
                     if method == "unsloth" and unsloth != "available":
                         run = {"method": method, "k": k, "dropout": dropout, "status": unsloth}
                     elif too_big is not None:

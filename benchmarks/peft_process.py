@@ -11,9 +11,9 @@ user's separate fine-tunes do. `sweep_gpu.py`'s makespan uses it for every PEFT 
 
 prints one JSON line: `trial_s`, the seconds from wrapping the model to its adapter saved in
 DIR (building the model and tokenising are left out, as in the in-process baseline),
-`step_s`, the seconds between consecutive optimizer steps, and `tokens`, each step's real
-tokens. `--model` is a name in `costmodel.PRESETS` (random weights, built on the GPU) or a
-saved model's directory.
+`step_s`, the seconds between consecutive optimizer steps, `tokens`, each step's real
+tokens, and `peak_memory_gb`, the process's peak of allocated CUDA memory. `--model` is a
+name in `costmodel.PRESETS` (random weights, built on the GPU) or a saved model's directory.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def main() -> None:
         torch.cuda.synchronize()
     trial_s = time.perf_counter() - t0
     step_s = [a.elapsed_time(b) / 1e3 if on_cuda else b - a for a, b in zip(marks, marks[1:])]
-    print(json.dumps({"trial_s": trial_s, "step_s": step_s, "tokens": tokens_per_step}))
+    peak_memory_gb = torch.cuda.max_memory_allocated() / 2**30 if on_cuda else None
+    print(json.dumps({"trial_s": trial_s, "step_s": step_s, "tokens": tokens_per_step,
+                      "peak_memory_gb": peak_memory_gb}))
 
 
 if __name__ == "__main__":

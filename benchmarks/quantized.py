@@ -31,6 +31,7 @@ from torch import nn
 
 import lora_sweep as ls
 from benchmarks.peers import _version, _write
+from benchmarks.sweep_gpu import PROJECTIONS
 from lora_sweep.costmodel import PRESETS, ModelShape
 
 # the presets, and a shape of the bundled tokenizer's vocabulary for `--dry`
@@ -105,7 +106,8 @@ def packed(model, k: int, rows, args, device: str) -> dict:
     trials = [ls.TrialConfig(rank=16, alpha=32, dropout=0.0, batch_size=1, max_steps=10**6, seed=i,
                              trial_id=f"t{i}") for i in range(k)]
     spec = ls.JobSpec(base_model=lambda: model, tokenizer=tiny_model_path(), train_data=rows, max_seq_len=args.seq,
-                      eval_every=10**9, output_dir=args.work_dir, device=device)
+                      eval_every=10**9, output_dir=args.work_dir, device=device, target_modules=args.targets.split(","),
+                      gradient_checkpointing=args.gradient_checkpointing)
     job = ls.PackedJob(spec, trials, progress=False)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -113,6 +115,8 @@ def packed(model, k: int, rows, args, device: str) -> dict:
     stats = job.step_stats[args.warmup:]
     job.release_locks()
     strip_adapters(model)  # the base as it was, for the next run
+    if len(job.active) < k:  # out of memory even one sample at a time: the job moved trials out
+        raise RuntimeError(f"{k - len(job.active)} of {k} adapters did not fit and were moved out of the job")
     return {"median_step_s": statistics.median(times), "tokens_per_step": statistics.mean(s["tokens"] for s in stats),
             "rank_tokens_per_step": statistics.mean(s["rank_tokens"] for s in stats),
             "lengths": [len(s) for s in job.train_samples[:64]],
@@ -121,10 +125,8 @@ def packed(model, k: int, rows, args, device: str) -> dict:
 
 def peft_alone(model, samples, pad_id, args, device: str) -> dict:
     from benchmarks.peft_baseline import peft_model_for, train_alone_with_peft
-    from benchmarks.sweep_gpu import PROJECTIONS
-
     cfg = ls.TrialConfig(rank=16, alpha=32, dropout=0.0, batch_size=1, max_steps=10**6, seed=0)
-    peft_model = peft_model_for(model, cfg, PROJECTIONS, device=device)
+    peft_model = peft_model_for(model, cfg, args.targets.split(","), device=device)
     ends, tokens = [], []
 
     def on_step(_, n):
@@ -152,10 +154,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--no-peft", action="store_true", help="the packed job only")
+    parser.add_argument("--targets", default=",".join(PROJECTIONS), help="the projections given adapters")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="the packed job recomputes base activations (with --no-peft: PEFT's side runs without)")
     parser.add_argument("--work-dir", default="/tmp/lora_sweep_quantized")
     parser.add_argument("--out", default="benchmarks/results/quantized.json")
     parser.add_argument("--dry", action="store_true", help="CPU, tiny shape, K=2, 2 steps (tests)")
     args = parser.parse_args(argv)
+    if args.gradient_checkpointing and not args.no_peft:
+        parser.error("`--gradient-checkpointing` is the packed job's alone: give it with `--no-peft`.")
     ks = [int(k) for k in args.k.split(",")]
     device, dtype = ("cpu", torch.float32) if args.dry else ("cuda", torch.bfloat16)
     if args.dry:
@@ -172,6 +179,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "quantized", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": args.model,
               "quantization": args.quantization, "seq": args.seq, "rank": 16, "build_s": build_s,
+              "targets": args.targets.split(","), "gradient_checkpointing": args.gradient_checkpointing,
               "bf16_tflops": peak, "versions": {d: _version(d) for d in ("torch", "triton", "transformers", "peft",
                                                                         "bitsandbytes", "lora_sweep")},
               "runs": []}
@@ -182,7 +190,8 @@ def main(argv=None) -> dict:
         mfu = None
         if peak and lengths:
             mean_len = statistics.mean(lengths)
-            step_flops = flops(shape, [mean_len] * round(r["tokens_per_step"] / mean_len), r["rank_tokens_per_step"])
+            step_flops = flops(shape, [mean_len] * round(r["tokens_per_step"] / mean_len), r["rank_tokens_per_step"],
+                               modules=args.targets.split(","))
             mfu = step_flops / r["median_step_s"] / (peak * 1e12)
         return {**r, "tokens_per_s": tps, "mfu": mfu}
 

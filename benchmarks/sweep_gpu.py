@@ -14,7 +14,9 @@ downloaded), samples of varying length, one GPU. Sections (pick with --sections)
 * makespan    120 configs of PLoRA's Table 1 space: the planner's predicted makespan for
               lora_sweep and for one-trial-at-a-time PEFT, and a measured 16-config subset
               both ways against the prediction (each trial's adapter saved, both ways; each
-              PEFT trial a process of its own unless --peft-in-process)
+              PEFT trial a process of its own unless --peft-in-process); then the subset as
+              co-located PEFT processes, as many at once as fit the GPU (Ray Tune's
+              fractional GPUs), wall time from the first start to the last end
 * overhead    the same 16 configs through PackedLoRASampler vs PackedJob driven directly
 
     python -m benchmarks.sweep_gpu --models llama-3.2-1b --seq 256 --out results.json
@@ -435,6 +437,32 @@ def peft_cost_model(base_cm, probe_runs: list[dict], trial_s: float | None = Non
     return calibrate(base_cm, stats, trial_seconds=trial_s), stats
 
 
+def peft_colocated(model_name, configs, seq, probe_runs: list[dict], log) -> dict:
+    """`configs` trained with PEFT as co-located processes of their own, a user's sweep with
+    fractional GPUs: as many at once as fit, a new one starting as one ends. How many fit: each
+    process's peak memory, a line in its batch fitted to the PEFT probes (`probe_runs[i]` is
+    `probe_configs()[i]`), plus 1 GB of CUDA context, against 90% of the GPU. Wall time from the
+    first start to the last end, start-ups included: they are what such a sweep pays (the packed
+    side's ratio then counts its one model build too)."""
+    import concurrent.futures
+
+    batches = [cfg.batch_size for cfg in probe_configs()[:len(probe_runs)]]
+    peaks = [r["peak_memory_gb"] for r in probe_runs]
+    slope = statistics.linear_regression(batches, peaks).slope if len(set(batches)) > 1 else 0.0
+    per_process = max(peaks) + slope * max(0, max(c.batch_size for c in configs) - max(batches)) + 1.0
+    total_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+    at_once = max(1, min(len(configs), int(0.9 * total_gb / per_process)))
+    log(f"co-located PEFT: {at_once} processes at once ({per_process:.1f} GB each at most)")
+    with tempfile.TemporaryDirectory() as out_dir:
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
+            runs = list(pool.map(lambda cfg: peft_in_process_of_its_own(model_name, cfg, seq, 3,
+                                                                        os.path.join(out_dir, cfg.trial_id)), configs))
+        wall_s = time.perf_counter() - t0
+    return {"processes_at_once": at_once, "gb_per_process_predicted": per_process, "wall_s": wall_s,
+            "peak_memory_gb": [r["peak_memory_gb"] for r in runs], "trial_s": [r["trial_s"] for r in runs]}
+
+
 def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True) -> dict:
     """Predicted makespan of 120 Table-1 configs packed and one at a time, from cost models
     calibrated on this GPU, and a measured 16-config subset both ways. With `peft_processes`
@@ -443,7 +471,9 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     from lora_sweep.costmodel import CostModel, calibrate, detect, profile_job
     from lora_sweep.planner import plan
 
+    t0 = time.perf_counter()
     model = build_model(model_name)
+    build_s = time.perf_counter() - t0  # the packed side's start-up, against co-located processes' own
     rows = synthetic_rows(512, seq, seed=3)
     configs = table1_configs(120, steps)
     subset = configs[:16]
@@ -544,6 +574,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
         measured_peft = sum(peft_trials) if peft_processes else time.perf_counter() - t0
     del model
     torch.cuda.empty_cache()
+    colocated = peft_colocated(model_name, subset, seq, peft_runs["probes"], log) if peft_processes else None
     result = {"model": model_name, "seq": seq, "steps": steps, "peft_processes": peft_processes,
               "mean_sample_tokens": base_cm.mean_sample_tokens, "peft_trial_s": peft_trials or None,
               "predicted": predicted,
@@ -555,14 +586,21 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
               "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1,
                                    "peft_16": predicted["peft_16"] / measured_peft - 1},
               "ratio": {"predicted_120": predicted["peft_120"] / predicted["packed_120"],
-                        "measured_16": measured_peft / measured_packed},
+                        "measured_16": measured_peft / measured_packed,
+                        "measured_16_colocated": (colocated["wall_s"] / (measured_packed + build_s)
+                                                  if colocated else None)},
+              "packed_model_build_s": build_s,
+              "peft_colocated": colocated,
               "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs],
               "calibration": {"packed": packed_cm.calibration.describe(), "peft": peft_cm.calibration.describe()},
               # the steps behind the fits and the measured run, so a cost model can be refitted offline
               "probe_steps": {"packed": stats, "peft": peft_stats}, "measured_steps": measured_steps,
               "peft_process_runs": peft_runs if peft_processes else None}
     log(f"16 configs: packed {measured_packed:.1f} s (predicted {predicted['packed_16']:.1f}), "
-        f"PEFT {measured_peft:.1f} s (predicted {predicted['peft_16']:.1f}), ratio {result['ratio']['measured_16']:.2f}x")
+        f"PEFT {measured_peft:.1f} s (predicted {predicted['peft_16']:.1f}), "
+        f"ratio {result['ratio']['measured_16']:.2f}x"
+        + (f"; co-located PEFT {colocated['wall_s']:.1f} s, ratio {result['ratio']['measured_16_colocated']:.2f}x"
+           if colocated else ""))
     return result
 
 

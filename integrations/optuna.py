@@ -8,7 +8,9 @@ ask-and-tell interface instead of an objective function:
    its memory model, capped at `max_concurrent` adapters); each trial's params become a
    `TrialConfig`, and a bad one is told FAIL alone, before any training.
 2. The job trains them all in one forward/backward per step; the base model is loaded once
-   per device and kept for the whole sweep (and for later `optimize` calls).
+   per device and kept for the whole sweep (and for later `optimize` calls). A sweep over
+   several bases keeps one job per base and device that has trials; their jobs take turns
+   on the device, and a base's job is released after `base_idle_s` without trials.
 3. Each engine `Report` becomes `trial.report(value, step)`; when the pruner says so, the
    adapter leaves the job and the trial is told PRUNED. `Finished` is told COMPLETE with
    the last value, `Failed` is told FAIL with the reason. Every ended trial frees a slot
@@ -87,7 +89,7 @@ class PackedLoRASampler(BaseSampler):
     module docstring for the flow.
 
     Each trial records the user attrs ``config`` (the full `TrialConfig` as a dict),
-    ``pack_id``, ``tokens_per_second``, ``adapter_dir`` (the PEFT adapter, when finished)
+    ``pack_id``, ``base_model``, ``tokens_per_second``, ``adapter_dir`` (the PEFT adapter, when finished)
     and ``fail_reason`` (when it failed). A trial whose config is invalid, whose loss stops
     being finite or that runs out of memory fails alone; its pack-mates carry on.
 
@@ -120,7 +122,14 @@ class PackedLoRASampler(BaseSampler):
         study:
             The study to optimize; its direction applies to `metric`.
         spec:
-            The base model, data and evaluation settings every trial shares.
+            The base model, data and evaluation settings every trial shares; or several
+            bases by name (``{"qwen-0.5b": spec_a, "qwen-1.5b": spec_b}``), each a full
+            `JobSpec`. A trial picks its base with ``base_model`` (the first when it names
+            none): ``trial.suggest_categorical("base_model", list(bases))`` in a search
+            function, or a dimension of a dict space; the default space draws it. Each base
+            gets its own packed job on each device, so packs never mix bases, and a trial's
+            user attr ``base_model`` says which one it trained on. A trial may also set its
+            own ``max_seq_len`` (at most its base's), which it shares a pack with others at.
         search_space:
             A define-by-run function ``(optuna.Trial) -> TrialConfig`` (or a dict of
             `TrialConfig` fields); a dict of field name (or ``alpha_ratio``) -> Optuna
@@ -146,12 +155,15 @@ class PackedLoRASampler(BaseSampler):
         heartbeat_interval:
             Seconds between this worker's heartbeats in a shared storage; another worker
             restarts its trials after three missed beats.
+        base_idle_s:
+            With several bases: seconds a base's job keeps its model on a device without any
+            trial before it is released (sooner when another base needs the memory).
     """
 
     def __init__(
         self,
         study: Study,
-        spec: JobSpec,
+        spec: Union[JobSpec, Mapping[str, JobSpec]],
         search_space: SearchSpace = None,
         *,
         trial_defaults: Optional[Mapping[str, Any]] = None,
@@ -159,17 +171,19 @@ class PackedLoRASampler(BaseSampler):
         max_concurrent: int = 8,
         devices: Optional[Sequence[Union[str, int]]] = None,
         heartbeat_interval: float = 30.0,
+        base_idle_s: float = 60.0,
     ) -> None:
         if not isinstance(study, Study):
             raise TypeError(f"The value of `study` is a {type(study).__name__}, but must be an optuna.Study.")
         if len(study.directions) != 1:
             raise ValueError(f"The study has {len(study.directions)} objectives, but PackedLoRASampler "
                              "reports one value (`metric`) per trial.")
-        if not isinstance(spec, JobSpec):
-            raise TypeError(f"The value of `spec` is a {type(spec).__name__}, but must be a lora_sweep.JobSpec.")
-        if metric == "eval_loss" and spec.eval_data is None:
-            raise ValueError("The value of `metric` is 'eval_loss', but the JobSpec has no `eval_data`: "
+        bases = _resolve_bases(spec)
+        if metric == "eval_loss" and any(b.eval_data is None for b in bases.values()):
+            raise ValueError("The value of `metric` is 'eval_loss', but a JobSpec has no `eval_data`: "
                              "give it eval data or use metric='train_loss'.")
+        if not base_idle_s >= 0:
+            raise ValueError(f"The value of `base_idle_s` is {base_idle_s!r}, but must be `base_idle_s >= 0`.")
         if not isinstance(max_concurrent, int) or max_concurrent < 1:
             raise ValueError(f"The value of `max_concurrent` is {max_concurrent!r}, but must be `max_concurrent >= 1`.")
         if not heartbeat_interval > 0:
@@ -180,16 +194,19 @@ class PackedLoRASampler(BaseSampler):
                           "find the lowest loss.", stacklevel=2)
 
         self._study = study
-        self._spec = spec
+        self._bases = bases
+        self._spec = next(iter(bases.values()))  # the first base: a trial's default
+        self._base_idle_s = float(base_idle_s)
         self._trial_defaults = dict(trial_defaults or {})
-        self._search_space = _resolve_search_space(search_space, self._trial_defaults)
+        self._search_space = self._default_space() if search_space is None else \
+            _resolve_search_space(search_space, self._trial_defaults)
         self._space_given = search_space is not None
         self._ranks_fit_model = False  # the default space's ranks are clipped to the model once it is loaded
         self._metric = metric
         self._max_concurrent = max_concurrent
-        self._devices = _resolve_devices(devices, spec)
+        self._devices = _resolve_devices(devices, self._spec)
         self._heartbeat_interval = float(heartbeat_interval)
-        self._jobs: list[Optional[PackedJob]] = [None] * len(self._devices)
+        self._jobs: dict[tuple[int, str], PackedJob] = {}  # (device index, base) -> its packed job
         self._worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._claiming = threading.local()  # .active while `optimize` asks a trial on this thread
 
@@ -201,9 +218,28 @@ class PackedLoRASampler(BaseSampler):
 
     @property
     def jobs(self) -> list[PackedJob]:
-        """The packed jobs this sampler has started, one per device; each holds its base model
-        for the sampler's lifetime, so a later `optimize` call does not load it again."""
-        return [job for job in self._jobs if job is not None]
+        """The packed jobs this sampler holds, one per device and base. With one base each job
+        keeps its model for the sampler's lifetime, so a later `optimize` call does not load
+        it again; with several, a base's job is released after `base_idle_s` without trials."""
+        return list(self._jobs.values())
+
+    def _base_of(self, cfg: TrialConfig) -> str:
+        """The name of the base `cfg` trains on; an unknown name is the trial's `ConfigError`."""
+        if cfg.base_model is None:
+            return next(iter(self._bases))
+        if cfg.base_model not in self._bases:
+            raise ConfigError(f"Trial {cfg.trial_id!r}: the value of `base_model` is {cfg.base_model!r}, but must be "
+                              f"one of the sweep's bases {list(self._bases)}.", field="base_model",
+                              trial_id=cfg.trial_id)
+        return cfg.base_model
+
+    def _default_space(self, max_rank: Optional[int] = None) -> dict[str, BaseDistribution]:
+        """PLoRA's Table 1 space (ranks up to `max_rank`), and with several bases, a choice
+        among them as ``base_model``."""
+        space = _resolve_search_space(None, self._trial_defaults, max_rank=max_rank)
+        if len(self._bases) > 1 and "base_model" not in self._trial_defaults:
+            space["base_model"] = CategoricalDistribution(list(self._bases))
+        return space
 
     def optimize(
         self,
@@ -286,8 +322,9 @@ class PackedLoRASampler(BaseSampler):
         sweep = _Sweep(self, space, n_trials, timeout, callbacks, show_progress_bar)
         with sweep.started():
             feeders = [_JobFeeder(self, sweep, index) for index in range(len(self._devices))]
-            if sweep.may_ask():  # load the base models before the bars open: their loading bars end cleanly
-                jobs = [feeder.job for feeder in feeders]
+            if sweep.may_ask():  # load the first base before the bars open: its loading bars end cleanly
+                first = next(iter(self._bases))
+                jobs = [feeder.job(first) for feeder in feeders]
                 if space is None and not self._space_given and not self._ranks_fit_model:
                     self._fit_default_ranks(jobs[0])
             with sweep.progress_bar():
@@ -302,7 +339,7 @@ class PackedLoRASampler(BaseSampler):
         modules = self._trial_defaults.get("target_modules") or job.spec.target_modules
         dims = [min(job.module_shapes[m]) for m in modules if m in job.module_shapes]
         if dims:
-            self._search_space = _resolve_search_space(None, self._trial_defaults, max_rank=min(dims))
+            self._search_space = self._default_space(max_rank=min(dims))
 
     # ------------------------------------------------------------------ sampling: all delegated
 
@@ -494,29 +531,33 @@ class _Sweep:
 class _InFlight:
     trial: Trial
     cfg: TrialConfig
+    base: str  # the name of the base whose job trains it
     metrics: dict = dataclasses.field(default_factory=dict)  # its last report's
 
 
 class _JobFeeder:
-    """Keeps one device's packed job full: asks trials while admission allows, turns the
-    job's events into Optuna reports and tells, and refills each slot a trial leaves."""
+    """Keeps one device's packed jobs full, one job per base model that has trials: asks
+    trials while admission allows, turns the jobs' events into Optuna reports and tells, and
+    refills each slot a trial leaves. The jobs of several bases take turns, one event each."""
 
     def __init__(self, sampler: PackedLoRASampler, sweep: _Sweep, index: int):
         self.sampler = sampler
         self.sweep = sweep
         self.index = index
         self.in_flight: dict[str, _InFlight] = {}  # engine trial_id -> trial, in join order
-        self.waiting: Optional[tuple[Trial, TrialConfig]] = None  # asked, waiting for room in the job
+        self.waiting: Optional[tuple[Trial, TrialConfig]] = None  # asked, waiting for room in its job
+        self.runs: dict[str, Any] = {}  # base -> its job's running `run()` generator
+        self.idle_since: dict[str, float] = {}  # base -> when its job's last trial left, until released
 
-    @property
-    def job(self) -> PackedJob:
-        """The device's packed job, created (the base model loaded) on first use."""
-        jobs = self.sampler._jobs
-        if jobs[self.index] is None:
-            spec = dataclasses.replace(self.sampler._spec, device=self.sampler._devices[self.index])
-            jobs[self.index] = PackedJob(spec, progress=False)
-            jobs[self.index].memory_model = job_memory_model(spec, jobs[self.index].device)  # corrected by OOMs
-        return jobs[self.index]
+    def job(self, base: str) -> PackedJob:
+        """The device's packed job of `base`, created (the base model loaded) on first use."""
+        jobs, key = self.sampler._jobs, (self.index, base)
+        if key not in jobs:
+            spec = dataclasses.replace(self.sampler._bases[base], device=self.sampler._devices[self.index])
+            jobs[key] = PackedJob(spec, progress=False)
+            jobs[key].memory_model = job_memory_model(spec, jobs[key].device)  # corrected by OOMs
+            logger.info("device %s: loaded base %r for pack %s", spec.device, base, jobs[key].pack_id)
+        return jobs[key]
 
     def run(self) -> None:
         with _inside_optimize(self.sweep.study):
@@ -526,40 +567,83 @@ class _JobFeeder:
                 self.sweep.aborted.set()
                 self._interrupt(f"the sweep stopped: {type(err).__name__}: {err}")
                 raise
+            finally:
+                for events in self.runs.values():
+                    events.close()
+                self.runs.clear()
             if self.in_flight or self.waiting:  # aborted because another device failed
                 self._interrupt("the sweep stopped because another device's job failed")
 
     def _loop(self) -> None:
         while not self.sweep.aborted.is_set():
             self._fill()
-            if not self.in_flight:
+            # the bases with trials, and those whose job is still winding down after its last one
+            bases = list(dict.fromkeys([f.base for f in self.in_flight.values()] + list(self.runs)))
+            if not bases:
                 return
-            self.job.progress = self.sweep.show_progress_bar  # a bar of this job's steps
-            try:
-                with contextlib.closing(self.job.run()) as events:
-                    for event in events:
-                        self._handle(event)
-                        if self.sweep.aborted.is_set():
-                            return
-            except torch.cuda.OutOfMemoryError as err:
-                # The engine shrinks its microbatches, moves the newest adapters out and fails a
-                # trial that does not fit alone; an out-of-memory error that still escapes it
-                # fails the newest trial, and the others go on.
-                active = [tid for tid in self.in_flight if tid in self.job.trials]
-                if not active:
-                    raise
-                self.job.remove_trial(active[-1])
+            for base in bases:
+                self._next_event(base)
+                if self.sweep.aborted.is_set():
+                    return
+            self._release_idle_jobs()
+
+    def _next_event(self, base: str) -> None:
+        """Run `base`'s job up to its next event and handle it."""
+        job = self.job(base)
+        if base not in self.runs:
+            job.progress = self.sweep.show_progress_bar  # a bar of this job's steps
+            self.runs[base] = job.run()
+        try:
+            event = next(self.runs[base])
+        except StopIteration:  # the job has no trial left
+            del self.runs[base]
+            self.idle_since[base] = time.monotonic()
+            for trial_id in [t for t, f in self.in_flight.items() if f.base == base]:
+                self._end(trial_id, "fail", reason="the packed job ended without finishing this trial")
+            return
+        except torch.cuda.OutOfMemoryError as err:
+            # The engine shrinks its microbatches, moves the newest adapters out and fails a
+            # trial that does not fit alone; an out-of-memory error that still escapes it
+            # fails the newest trial, and the others go on.
+            self.runs.pop(base).close()
+            active = [tid for tid, f in self.in_flight.items() if f.base == base and tid in job.trials]
+            if not active:
+                raise
+            job.remove_trial(active[-1])
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._end(active[-1], "fail", reason=f"out of memory: {err}")
+            return
+        self._handle(event)
+
+    def _release_idle_jobs(self, now: Optional[float] = None) -> None:
+        """Drop the job (and the base model's memory) of a base without trials for
+        `base_idle_s` (at `now`), when the sweep has several bases; a single base's job stays
+        loaded for later `optimize` calls."""
+        if len(self.sampler._bases) < 2:
+            return
+        now = time.monotonic() if now is None else now
+        for base, since in list(self.idle_since.items()):
+            if now - since < self.sampler._base_idle_s or any(f.base == base for f in self.in_flight.values()):
+                continue
+            del self.idle_since[base]
+            if base in self.runs:
+                self.runs.pop(base).close()
+            job = self.sampler._jobs.pop((self.index, base), None)
+            if job is not None:
+                job.release_locks()
+                del job
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                self._end(active[-1], "fail", reason=f"out of memory: {err}")
-                continue
-            for trial_id in list(self.in_flight):  # run() ended: the job has no trial left
-                self._end(trial_id, "fail", reason="the packed job ended without finishing this trial")
+                logger.info("device %s: released base %r after %.0f s without trials",
+                            self.sampler._devices[self.index], base, now - since)
 
-    # ---- filling the job
+    # ---- filling the jobs
 
     def _fill(self) -> None:
-        """Ask trials and add them to the job while it has room and the budget allows."""
+        """Ask trials and add each to its base's job while that job has room and the budget
+        allows. A trial that must wait for room holds up the next ones (first come, first
+        served)."""
         while not self.sweep.aborted.is_set():
             if self.waiting is None:
                 if not self.sweep.may_ask():
@@ -568,12 +652,15 @@ class _JobFeeder:
                 if self.waiting is None:  # its config was invalid: already told FAIL
                     continue
             trial, cfg = self.waiting
-            job = self.job
-            running = [f.cfg for f in self.in_flight.values()]
-            try:  # a trial the model rejects is told FAIL here, before it reaches the job
+            try:  # a trial the model rejects is told FAIL here, before it reaches a job
+                base = self.sampler._base_of(cfg)
+                if (self.index, base) not in self.sampler._jobs and not self._room_for_base(base, cfg):
+                    return  # its base loads when the other bases' trials have made room
+                job = self.job(base)
+                running = [f.cfg for f in self.in_flight.values() if f.base == base]
                 check_against_model(cfg, job.spec, job.module_shapes)
-                joins = fits_running_job(running, cfg, job.memory_model, max_adapters=self.sampler._max_concurrent,
-                                         moved_out=len(job.waiting))
+                joins = fits_running_job(running, cfg, self._admission_model(base, job.memory_model),
+                                         max_adapters=self.sampler._max_concurrent, moved_out=len(job.waiting))
             except ConfigError as err:
                 self.waiting = None
                 self.sweep.tell_failed(trial, str(err), pack_id=None)
@@ -581,22 +668,58 @@ class _JobFeeder:
             if not joins:
                 return  # it waits for a trial to leave
             self.waiting = None
-            self._join(trial, cfg)
+            self._join(trial, cfg, base)
+
+    def _others_bytes(self, base: str) -> Optional[float]:
+        """Predicted memory of the device's jobs of other bases with their running trials;
+        None if one of them has no memory model (then nothing is predicted, as on a CPU)."""
+        total = 0.0
+        for (index, other), job in self.sampler._jobs.items():
+            if index != self.index or other == base:
+                continue
+            if job.memory_model is None:
+                return None
+            total += job.memory_model.memory_per_gpu([f.cfg for f in self.in_flight.values() if f.base == other])
+        return total
+
+    def _admission_model(self, base: str, model):
+        """`base`'s memory model on what the device's other jobs leave of its memory."""
+        others = self._others_bytes(base)
+        if model is None or not others:
+            return model
+        gpu = dataclasses.replace(model.gpu, memory_gb=model.gpu.memory_gb - others / (model.load_factor * 2**30))
+        return dataclasses.replace(model, gpu=gpu)
+
+    def _room_for_base(self, base: str, cfg: TrialConfig) -> bool:
+        """Whether `base`'s job, with `cfg` in it, fits beside the device's other jobs by their
+        memory models, after releasing the jobs of other bases that have no trials. Without
+        memory models (a CPU, a model factory) every base loads."""
+        spec = dataclasses.replace(self.sampler._bases[base], device=self.sampler._devices[self.index])
+        model = job_memory_model(spec)
+        for attempt in range(2):
+            others = self._others_bytes(base)
+            if model is None or others is None or model.memory_per_gpu([cfg]) + others <= model.capacity_bytes:
+                return True
+            if attempt == 0:  # make room: idle jobs of other bases go now
+                self._release_idle_jobs(now=math.inf)
+        return False
 
     def _trial_id(self, trial: Trial) -> str:
         return _engine_trial_id(self.sweep.study.study_name, trial.number)
 
-    def _join(self, trial: Trial, cfg: TrialConfig) -> None:
-        job = self.job
+    def _join(self, trial: Trial, cfg: TrialConfig, base: str) -> None:
+        job = self.job(base)
         with self.sweep.lock:
             trial.set_user_attr("pack_id", job.pack_id)
+            trial.set_user_attr("base_model", base)
             restart_of = trial.user_attrs.get("restart_of")
         # A rerun of a dead worker's trial continues from that trial's last engine checkpoint
         # (JobSpec.checkpoint_every, in an output_dir both workers see), not from step 0.
         state = None
         if restart_of is not None and job.spec.checkpoint_every is not None:
             state = job.saved_state(_engine_trial_id(self.sweep.study.study_name, restart_of))
-        self.in_flight[cfg.trial_id] = _InFlight(trial, cfg)
+        self.in_flight[cfg.trial_id] = _InFlight(trial, cfg, base)
+        self.idle_since.pop(base, None)
         job.add_trial(cfg, state=state)
 
     # ---- engine events -> Optuna
@@ -605,13 +728,14 @@ class _JobFeeder:
         flight = self.in_flight.get(event.trial_id)
         if flight is None:  # already told (pruned or failed) and on its way out of the job
             return
+        job = self.job(flight.base)
         if isinstance(event, Failed):
             self._end(event.trial_id, "fail", reason=event.reason)
             return
         flight.metrics = event.metrics
         value = self._value(event)
         if not math.isfinite(value):
-            self.job.remove_trial(event.trial_id)
+            job.remove_trial(event.trial_id)
             self._end(event.trial_id, "fail", reason=f"non-finite {self.sampler._metric} ({value}) "
                                                       f"at step {event.step}")
             return
@@ -623,14 +747,14 @@ class _JobFeeder:
             # The last report is the trial's value: a trial that trained to the end completes.
             prune = event.step < flight.cfg.max_steps and flight.trial.should_prune()
         if prune:
-            self.job.remove_trial(event.trial_id)
+            job.remove_trial(event.trial_id)
             self._end(event.trial_id, "prune")
 
     def _value(self, event: Union[Report, Finished]) -> float:
         metric = self.sampler._metric
         if metric not in event.metrics:
             raise ValueError(f"The value of `metric` is {metric!r}, but the engine reports only "
-                           f"{sorted(event.metrics)}.")
+                             f"{sorted(event.metrics)}.")
         return float(event.metrics[metric])
 
     def _end(self, trial_id: str, outcome: str, value: Optional[float] = None, reason: str = "",
@@ -649,8 +773,8 @@ class _JobFeeder:
 
     def _interrupt(self, reason: str) -> None:
         trials = [f.trial for f in self.in_flight.values()] + ([self.waiting[0]] if self.waiting else [])
-        for trial_id in self.in_flight:
-            self.job.remove_trial(trial_id)  # outside run(): leaves at once, the job stays reusable
+        for trial_id, flight in self.in_flight.items():
+            self.job(flight.base).remove_trial(trial_id)  # outside run(): leaves at once, the job stays reusable
         self.in_flight.clear()
         self.waiting = None
         self.sweep.interrupt(trials, reason)
@@ -927,6 +1051,17 @@ def _inside_optimize(study: Study):
         yield
     finally:
         local.in_optimize_loop = before
+
+
+def _resolve_bases(spec) -> dict[str, JobSpec]:
+    """The sweep's bases by name: one `JobSpec` is a single base named by its model."""
+    if isinstance(spec, JobSpec):
+        return {spec.model_name: spec}
+    if isinstance(spec, Mapping) and spec and all(isinstance(k, str) and k and isinstance(v, JobSpec)
+                                                  for k, v in spec.items()):
+        return dict(spec)
+    raise TypeError(f"The value of `spec` is {spec!r}, but must be a lora_sweep.JobSpec or a non-empty dict of "
+                    "base name -> JobSpec.")
 
 
 def _resolve_devices(devices, spec: JobSpec) -> list[str]:

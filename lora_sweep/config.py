@@ -174,6 +174,12 @@ class TrialConfig:
         default=None, metadata={"help": "Subset of the job's target modules; None means all of them."}
     )
     seed: int = field(default=0, metadata={"help": "Seeds the adapter init, data order and dropout masks."})
+    max_seq_len: Optional[int] = field(
+        default=None, metadata={"help": "This trial's sequence length, at most the job's; None: the job's."}
+    )
+    base_model: Optional[str] = field(
+        default=None, metadata={"help": "Which of a sweep's bases it trains on, by name; None: the first."}
+    )
     trial_id: Optional[str] = field(default=None, metadata={"help": "Unique name; the engine assigns one if None."})
 
     def __post_init__(self):
@@ -217,6 +223,10 @@ class TrialConfig:
                 raise _fail(tid, "target_modules", self.target_modules, "None or a non-empty list of module names")
             self.target_modules = tuple(str(m) for m in mods)  # np.str_ -> str
         _check_int(tid, "seed", self.seed, 0, 2**63 - 1)
+        if self.max_seq_len is not None:
+            _check_int(tid, "max_seq_len", self.max_seq_len, 1)
+        if self.base_model is not None and not (isinstance(self.base_model, str) and self.base_model):
+            raise _fail(tid, "base_model", self.base_model, "None or the name of one of the sweep's bases")
         if not _fp32(self.scaling):  # alpha / rank is a kernel argument in fp32
             raise _fail(tid, "alpha", self.alpha, f"such that the scaling alpha / rank ({self.scaling:.4g}) lies "
                         f"between {_FP32_RANGE}")
@@ -383,6 +393,9 @@ def check_against_model(cfg: TrialConfig, spec: JobSpec, module_shapes: Mapping[
             f"a subset of the job's adapted linear layers {allowed}"
             + (f" (not found or not targeted: {missing})" if missing else ""),
         )
+    if cfg.max_seq_len is not None and cfg.max_seq_len > spec.max_seq_len:
+        raise _fail(tid, "max_seq_len", cfg.max_seq_len, f"None or an integer with 1 <= `max_seq_len` <= "
+                    f"{spec.max_seq_len} (the job's)")
     smallest = min(min(module_shapes[m]) for m in wanted)
     if cfg.rank > smallest:
         raise _fail(tid, "rank", cfg.rank, f"an integer with 1 <= `rank` <= {smallest} "

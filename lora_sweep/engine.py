@@ -232,6 +232,8 @@ class _Adapter:
     key: str  # module-dict key inside every MultiLoRALinear
     stream: SampleStream
     modules: list[str]  # full names of the layers it adapts
+    train_samples: list[Sample]  # the job's samples at the trial's max_seq_len (`PackedJob.samples_for`)
+    eval_samples: list[Sample]
     micro_steps: int = 0  # forward/backward passes done (seeds its dropout)
     step: int = 0  # optimizer steps done
     window_losses: list[float] = field(default_factory=list)  # micro losses of this accumulation
@@ -338,11 +340,9 @@ class PackedJob:
         if self.pad_id is None:  # documented: the EOS token pads; padding is masked anyway
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
 
-        self.train_samples = tokenize_rows(train_rows, self.tokenizer, spec.max_seq_len, "train_data")
-        self.eval_samples: list[Sample] = []
-        if eval_rows:
-            self.eval_samples = tokenize_rows(eval_rows, self.tokenizer, spec.max_seq_len,
-                                              "eval_data")[: spec.max_eval_samples]
+        self._rows = (train_rows, eval_rows)
+        self._samples_by_length: dict[int, tuple[list[Sample], list[Sample]]] = {}
+        self.train_samples, self.eval_samples = self.samples_for(spec.max_seq_len)
         # Microbatch cap in padded tokens; lowered when a step runs out of memory.
         self.microbatch_tokens: Optional[int] = spec.max_tokens_per_microbatch
         # The planner's memory model of this job, if a tuner integration admits trials with it;
@@ -524,7 +524,8 @@ class PackedJob:
         except BaseException:
             self._undo_join(cfg.trial_id, key, modules)
             raise
-        adapter = _Adapter(cfg, key, SampleStream(len(self.train_samples), cfg.seed), modules)
+        train, evals = self.samples_for(cfg.max_seq_len or self.spec.max_seq_len)
+        adapter = _Adapter(cfg, key, SampleStream(len(train), cfg.seed), modules, train, evals)
         self.active[cfg.trial_id] = adapter
         from_disk = state is None and use_checkpoint
         state = state if state is not None else self._read_checkpoint(cfg) if use_checkpoint else None
@@ -585,6 +586,18 @@ class PackedJob:
                 self._fail_trial(cfg.trial_id, snapshot["counters"]["step"], e, during="rejoining after an eviction")
 
     # ------------------------------------------------------------------ the step loop
+
+    def samples_for(self, max_seq_len: int) -> tuple[list[Sample], list[Sample]]:
+        """The train and eval samples at `max_seq_len` tokens, tokenized once per length: a
+        trial with its own `max_seq_len` trains and evaluates on them, as it would in a job of
+        that length alone."""
+        if max_seq_len not in self._samples_by_length:
+            train_rows, eval_rows = self._rows
+            train = tokenize_rows(train_rows, self.tokenizer, max_seq_len, "train_data")
+            evals = tokenize_rows(eval_rows, self.tokenizer, max_seq_len, "eval_data")[: self.spec.max_eval_samples] \
+                if eval_rows else []
+            self._samples_by_length[max_seq_len] = (train, evals)
+        return self._samples_by_length[max_seq_len]
 
     def run(self) -> Iterator[Event]:
         """Train until no trial is left, yielding `Report`, `Finished` and `Failed` events.
@@ -716,7 +729,7 @@ class PackedJob:
 
         # data: each adapter's own samples for this micro-step
         cursors = [a.stream.state() for a in adapters]
-        groups = [[self.train_samples[i] for i in a.stream.take(a.cfg.batch_size)] for a in adapters]
+        groups = [[a.train_samples[i] for i in a.stream.take(a.cfg.batch_size)] for a in adapters]
 
         # adapters at the end of their accumulation window take an optimizer step
         steps_now = [(a.micro_steps + 1) % a.cfg.gradient_accumulation_steps == 0 for a in adapters]
@@ -1042,9 +1055,11 @@ class PackedJob:
         sums = torch.zeros(len(adapters), dtype=torch.float64)
         counts = torch.zeros(len(adapters), dtype=torch.float64)
         size = self.spec.eval_batch_size
-        chunks = [self.eval_samples[start : start + size] for start in range(0, len(self.eval_samples), size)]
-        plan = [parts for chunk in chunks for parts in self._microbatches([chunk] * len(adapters))] if adapters \
-            else []
+        plan = []  # microbatches of (adapter index, samples); adapters of one max_seq_len share their rows
+        for samples in {id(a.eval_samples): a.eval_samples for a in adapters}.values():
+            members = [i for i, a in enumerate(adapters) if a.eval_samples is samples]
+            for chunk in (samples[start : start + size] for start in range(0, len(samples), size)):
+                plan += [[(members[i], g) for i, g in parts] for parts in self._microbatches([chunk] * len(members))]
         extra = self.ranks.max(len(plan)) - len(plan) if self.ranks is not None else 0  # the busiest rank's count
         for parts in plan:
             index = [i for i, _ in parts]

@@ -61,13 +61,15 @@ def make_toy_rows(n: int, seed: int) -> list[dict]:
 
 
 def save_tiny_model(model_type: str, tokenizer, path, seed: int, **config) -> str:
-    """A random 2-layer GQA decoder of `model_type`, saved with `save_pretrained` beside its tokenizer."""
+    """A random GQA decoder of `model_type` (2 layers of width 48 unless `config` says otherwise),
+    saved with `save_pretrained` beside its tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                               max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, **config)
+    fields = dict(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    cfg = AutoConfig.for_model(model_type, **{**fields, **config})
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

@@ -1,0 +1,92 @@
+"""One sweep over several base models and sequence lengths, on the CPU: a trial with its own
+`max_seq_len` trains as it would in a job of that length alone, and an Optuna sweep over two
+tiny bases of different sizes and two lengths trains each trial on its own base, never mixes
+bases in a pack, loads each base once on the device, and gives each trial the adapter it
+gets in a job of its base alone."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from safetensors.torch import load_file
+
+import lora_sweep as ls
+from lora_sweep.config import check_against_model
+from lora_sweep.engine import PackedJob
+
+from conftest import save_tiny_model
+from test_engine_equivalence import final_weights, make_spec, rel, run_packed
+
+optuna = pytest.importorskip("optuna")
+
+
+def alone(model_dir, toy_data, tmp_path, cfg: ls.TrialConfig, max_seq_len: int, name: str) -> dict:
+    """`cfg`'s final adapter weights, trained alone in a job of `max_seq_len`."""
+    single = ls.TrialConfig.from_dict({**cfg.to_dict(), "max_seq_len": None, "base_model": None})
+    job = PackedJob(make_spec(model_dir, toy_data, tmp_path / name, max_seq_len=max_seq_len, eval_every=2),
+                    [single], progress=False)
+    run_packed(job)
+    return final_weights(job.finished[cfg.trial_id])
+
+
+def test_a_trial_with_its_own_max_seq_len_trains_as_in_a_job_of_that_length(tiny_llama_dir, toy_data, tmp_path):
+    trials = [ls.TrialConfig(rank=4, learning_rate=3e-3, max_steps=4, dropout=0.0, batch_size=2, seed=1,
+                             max_seq_len=12, trial_id="short"),
+              ls.TrialConfig(rank=8, learning_rate=2e-3, max_steps=4, dropout=0.1, batch_size=2, seed=2,
+                             trial_id="long")]
+    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "packed", max_seq_len=32, eval_every=2,
+                              eval_data=toy_data[1]), trials, progress=False)
+    events = list(job.run())
+    assert len(job.active) == 0 and set(job.finished) == {"short", "long"}
+    for cfg, length in zip(trials, (12, 32)):
+        reference = alone(tiny_llama_dir, toy_data, tmp_path, cfg, length, cfg.trial_id)
+        for key, value in final_weights(job.finished[cfg.trial_id]).items():
+            assert rel(value, reference[key]) < 1e-5, (cfg.trial_id, key)
+    evals = {e.trial_id: e.metrics["eval_loss"] for e in events if "eval_loss" in getattr(e, "metrics", {})}
+    assert evals["short"] != evals["long"]
+    with pytest.raises(ls.ConfigError, match=r"max_seq_len.*<= 32"):  # checked before the trial joins a job
+        check_against_model(ls.TrialConfig(max_seq_len=64, trial_id="too-long"), job.spec, job.module_shapes)
+
+
+def test_an_optuna_sweep_over_two_bases_and_two_lengths(tiny_llama_dir, char_tokenizer, toy_data, tmp_path):
+    from lora_sweep.integrations.optuna import PackedLoRASampler
+
+    large_dir = save_tiny_model("llama", char_tokenizer, tmp_path / "large", seed=5, hidden_size=64,
+                                intermediate_size=128, num_hidden_layers=3, tie_word_embeddings=False)
+    dirs = {"small": tiny_llama_dir, "large": large_dir}
+    bases = {name: make_spec(d, toy_data, tmp_path / "runs", max_seq_len=32, eval_every=2)
+             for name, d in dirs.items()}
+
+    def search(trial):
+        return {"base_model": trial.suggest_categorical("base_model", ["small", "large"]),
+                "max_seq_len": trial.suggest_categorical("max_seq_len", [12, 32]),
+                "learning_rate": trial.suggest_float("learning_rate", 1e-3, 3e-3, log=True), "seed": trial.number}
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}",
+                                sampler=optuna.samplers.RandomSampler(seed=3))
+    for base in ("small", "large"):  # both bases surely come up
+        study.enqueue_trial({"base_model": base, "max_seq_len": 12 if base == "small" else 32})
+    sampler = PackedLoRASampler(study, bases, metric="train_loss", max_concurrent=2,
+                                trial_defaults={"max_steps": 4, "rank": 4, "dropout": 0.0, "batch_size": 2})
+    sampler.optimize(objective=search, n_trials=6, show_progress_bar=False)
+
+    trials = study.get_trials()
+    assert len(trials) == 6 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    packs: dict[str, set] = {}
+    for t in trials:
+        base = t.params["base_model"]
+        assert t.user_attrs["base_model"] == base and t.user_attrs["config"]["base_model"] == base
+        packs.setdefault(base, set()).add(t.user_attrs["pack_id"])
+        with open(os.path.join(t.user_attrs["adapter_dir"], "adapter_config.json")) as f:
+            assert json.load(f)["base_model_name_or_path"] == dirs[base]  # the PEFT adapter names its base
+    # one job per base on the device, all the sweep long: each base loaded once, packs never mixed
+    assert set(packs) == {"small", "large"} and all(len(p) == 1 for p in packs.values())
+    assert packs["small"] != packs["large"] and len(sampler.jobs) == 2
+    for t in trials[:2] + [t for t in trials[2:] if t.params["max_seq_len"] != trials[0].params["max_seq_len"]][:1]:
+        cfg = ls.TrialConfig.from_dict(t.user_attrs["config"])
+        reference = alone(dirs[cfg.base_model], toy_data, tmp_path, cfg, cfg.max_seq_len, f"alone-{t.number}")
+        packed = load_file(os.path.join(t.user_attrs["adapter_dir"], "adapter_model.safetensors"))
+        for key, value in packed.items():
+            assert rel(value, reference[key]) < 1e-5, (t.number, key)

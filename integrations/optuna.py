@@ -61,7 +61,7 @@ from lora_sweep import space as _space
 from lora_sweep.config import MAX_TRIAL_ID_CHARS, ConfigError, JobSpec, TrialConfig, bounded_name, check_against_model
 from lora_sweep.costmodel import job_memory_model
 from lora_sweep.engine import Failed, Finished, PackedJob, Report
-from lora_sweep.planner import fits_running_job
+from lora_sweep.planner import fits_running_job, memory_beside
 
 __all__ = ["PackedLoRASampler"]
 
@@ -659,8 +659,8 @@ class _JobFeeder:
                 job = self.job(base)
                 running = [f.cfg for f in self.in_flight.values() if f.base == base]
                 check_against_model(cfg, job.spec, job.module_shapes)
-                joins = fits_running_job(running, cfg, self._admission_model(base, job.memory_model),
-                                         max_adapters=self.sampler._max_concurrent, moved_out=len(job.waiting))
+                joins = fits_running_job(running, cfg, job.memory_model, max_adapters=self.sampler._max_concurrent,
+                                         moved_out=len(job.waiting), beside_bytes=self._beside(base) or 0.0)
             except ConfigError as err:
                 self.waiting = None
                 self.sweep.tell_failed(trial, str(err), pack_id=None)
@@ -670,35 +670,21 @@ class _JobFeeder:
             self.waiting = None
             self._join(trial, cfg, base)
 
-    def _others_bytes(self, base: str) -> Optional[float]:
-        """Predicted memory of the device's jobs of other bases with their running trials;
-        None if one of them has no memory model (then nothing is predicted, as on a CPU)."""
-        total = 0.0
-        for (index, other), job in self.sampler._jobs.items():
-            if index != self.index or other == base:
-                continue
-            if job.memory_model is None:
-                return None
-            total += job.memory_model.memory_per_gpu([f.cfg for f in self.in_flight.values() if f.base == other])
-        return total
-
-    def _admission_model(self, base: str, model):
-        """`base`'s memory model on what the device's other jobs leave of its memory."""
-        others = self._others_bytes(base)
-        if model is None or not others:
-            return model
-        gpu = dataclasses.replace(model.gpu, memory_gb=model.gpu.memory_gb - others / (model.load_factor * 2**30))
-        return dataclasses.replace(model, gpu=gpu)
+    def _beside(self, base: str) -> Optional[float]:
+        """Bytes the device's jobs of other bases hold (`memory_beside`)."""
+        return memory_beside([(job.memory_model, [f.cfg for f in self.in_flight.values() if f.base == other])
+                              for (index, other), job in self.sampler._jobs.items()
+                              if index == self.index and other != base])
 
     def _room_for_base(self, base: str, cfg: TrialConfig) -> bool:
-        """Whether `base`'s job, with `cfg` in it, fits beside the device's other jobs by their
-        memory models, after releasing the jobs of other bases that have no trials. Without
-        memory models (a CPU, a model factory) every base loads."""
+        """Whether `base`'s job, with `cfg` in it, fits beside the device's other jobs, after
+        releasing the jobs of other bases that have no trials. Without memory models (a CPU,
+        a model factory) every base loads."""
         spec = dataclasses.replace(self.sampler._bases[base], device=self.sampler._devices[self.index])
         model = job_memory_model(spec)
         for attempt in range(2):
-            others = self._others_bytes(base)
-            if model is None or others is None or model.memory_per_gpu([cfg]) + others <= model.capacity_bytes:
+            beside = self._beside(base)
+            if beside is None or fits_running_job([], cfg, model, max_adapters=1, beside_bytes=beside):
                 return True
             if attempt == 0:  # make room: idle jobs of other bases go now
                 self._release_idle_jobs(now=math.inf)

@@ -42,6 +42,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -51,7 +52,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 try:
     import ray
@@ -102,6 +103,7 @@ class _Slot:
 
     cfg: TrialConfig  # cfg.trial_id is the ticket
     tune_id: str  # Tune's trial id
+    base: str  # the base whose job trains it
     deadline: float  # monotonic time at which the lease expires
     resume_step: int = 0  # reports up to this step were already given to Tune (a resumed trial)
     in_job: bool = True  # False once it finished or failed (the message may still wait for pickup)
@@ -113,38 +115,48 @@ class _Slot:
 
 
 class PackServer:
-    """One `PackedJob` in a Ray actor: the base model loaded once, trained continuously.
+    """The packed jobs of one device in a Ray actor: each base model loaded once, trained
+    continuously.
 
     `PackedExecutor` starts these as threaded Ray actors (`max_concurrency` > 1): proxies call
     `try_join`, `next_messages`, `heartbeat` and `leave` from Tune's trial actors, and Tune's
-    driver calls `drop`, while the job's `run()` loop turns in a background thread. A second
+    driver calls `drop`, while the jobs' `run()` loops turn in a background thread. A second
     thread, the lease watchdog, drops trials whose proxy stopped calling. Every join and leave
     is recorded (`history`).
 
+    With several bases a server holds one job per base that has trials: a trial of a base
+    without a job starts one when the device's memory allows (by the memory models of its
+    jobs), the jobs take turns (one engine event each), and a base's job is released after
+    `base_idle_s` without trials.
+
     Args:
         spec:
-            The shared base model and data (paths must be reachable on this node).
+            The shared base model and data (paths must be reachable on this node), or several
+            bases by name; the first is loaded at once, the others when a trial needs them.
         pack_id:
-            The job's name; every report of its trials carries it.
+            The server's name; its jobs' packs are named after it (and their base).
         max_adapters:
-            Most trials in the job at once.
+            Most trials in one job at once.
         lease_seconds:
             A trial whose proxy has not called for this long is dropped.
         checkpoint_every_report:
             Send the current adapter with every report (else only with the final one).
+        base_idle_s:
+            With several bases: seconds a base's job keeps its model without trials.
     """
 
-    def __init__(self, spec: JobSpec, pack_id: str, max_adapters: int = 8, lease_seconds: float = 60.0,
-                 checkpoint_every_report: bool = True):
-        from ..costmodel import job_memory_model
-        from ..engine import PackedJob
-
-        self.job = PackedJob(spec, progress=False, pack_id=pack_id)  # loads the base model, once
-        self.model_loads = 1
+    def __init__(self, spec: Union[JobSpec, dict[str, JobSpec]], pack_id: str, max_adapters: int = 8,
+                 lease_seconds: float = 60.0, checkpoint_every_report: bool = True, base_idle_s: float = 60.0):
+        self.bases = _bases(spec)
+        self.pack_id = pack_id
         self.max_adapters = max_adapters
         self.lease_seconds = lease_seconds
         self.checkpoint_every_report = checkpoint_every_report
-        self.job.memory_model = job_memory_model(spec, self.job.device)  # the engine corrects it on OOM
+        self.base_idle_s = base_idle_s
+        self.jobs: dict = {}  # base -> its PackedJob
+        self.model_loads: dict[str, int] = {}  # base -> times its model was loaded
+        self._runs: dict = {}  # base -> its job's running `run()` generator (training thread only)
+        self._idle_since: dict[str, float] = {}  # base -> when its job's last trial left
         self._slots: dict[str, _Slot] = {}  # ticket -> slot
         self._tickets: dict[str, str] = {}  # Tune's trial id -> the ticket of its current stay
         self._joins: dict[str, int] = {}  # Tune's trial id -> how often it joined
@@ -152,6 +164,7 @@ class PackServer:
         self._history: list[dict] = []
         self._cond = threading.Condition()  # guards everything above; notified on any change
         self._stopping = False
+        self._job(next(iter(self.bases)))  # the first base loads now: a server that cannot load it fails to start
         threading.Thread(target=self._train_forever, name="pack-train", daemon=True).start()
         threading.Thread(target=self._expire_leases, name="pack-leases", daemon=True).start()
 
@@ -159,8 +172,9 @@ class PackServer:
 
     def try_join(self, config: dict, proxy: Optional[dict] = None, resume_step: int = 0,
                  state: Optional[bytes] = None) -> tuple[str, str]:
-        """Admit a trial if the job has room: ("joined", ticket), ("full", "") or ("invalid",
-        message) when the config cannot work with this model.
+        """Admit a trial if its base's job has room: ("joined", ticket), ("full", "") or
+        ("invalid", message) when the config cannot work with this model or names no base
+        of the sweep.
 
         A trial that Tune paused (or `Tuner.restore` brings back) joins again with `resume_step`,
         the step of the checkpoint Tune resumes it from, and that checkpoint's engine `state`:
@@ -179,30 +193,36 @@ class PackServer:
         tune_id = cfg.trial_id
         with self._cond:
             if tune_id in self._tickets:
-                return "invalid", f"Trial {tune_id!r} is already in pack {self.job.pack_id!r}."
+                return "invalid", f"Trial {tune_id!r} is already in pack server {self.pack_id!r}."
             joins = self._joins.get(tune_id, 0)
             if joins:  # its earlier stay may still be leaving the job, or have finished in it
                 cfg.trial_id = f"{tune_id}-resumed{joins}"
             new_hyperparameters: list[str] = []
             try:
-                check_against_model(cfg, self.job.spec, self.job.module_shapes)
+                base = self._base_of(cfg)
+                if base not in self.jobs and not self._room_for_base(base, cfg):
+                    return "full", ""
+                job = self._job(base)
+                check_against_model(cfg, job.spec, job.module_shapes)
                 if state is not None:
                     state = _load_state(state)
                     new_hyperparameters = changed_fields(state["config"], cfg)
                     if new_hyperparameters:
                         state = with_new_hyperparameters(state, cfg)
-                running = [self._slots[t].cfg for t in self._in_job()]
-                if not fits_running_job(running, cfg, self.job.memory_model, max_adapters=self.max_adapters,
-                                        moved_out=len(self.job.waiting)):
+                running = [self._slots[t].cfg for t in self._in_job(base)]
+                if not fits_running_job(running, cfg, job.memory_model, max_adapters=self.max_adapters,
+                                        moved_out=len(job.waiting), beside_bytes=self._beside(base) or 0.0):
                     return "full", ""
             except ConfigError as e:
                 return "invalid", str(e)
-            pack_mates = len(self._in_job())
-            self._slots[cfg.trial_id] = _Slot(cfg, tune_id, time.monotonic() + self.lease_seconds, resume_step)
+            pack_mates = len(self._in_job(base))
+            self._slots[cfg.trial_id] = _Slot(cfg, tune_id, base, time.monotonic() + self.lease_seconds,
+                                              resume_step)
             self._tickets[tune_id] = cfg.trial_id
             self._joins[tune_id] = joins + 1
-            self.job.add_trial(cfg, state=state)
-            self._record("join", tune_id, pack_mates=pack_mates, config={**cfg.to_dict(), "trial_id": tune_id},
+            self._idle_since.pop(base, None)
+            job.add_trial(cfg, state=state)
+            self._record("join", tune_id, base, pack_mates=pack_mates, config={**cfg.to_dict(), "trial_id": tune_id},
                          resume_step=resume_step, from_state=state is not None,
                          new_hyperparameters=new_hyperparameters, proxy=proxy or {})
             self._cond.notify_all()
@@ -214,7 +234,7 @@ class PackServer:
             slot = self._slots.get(ticket)
             if slot is None:
                 why = self._left.get(ticket, "it never joined")
-                return [_Message("failed", 0, reason=f"the trial is not in pack {self.job.pack_id!r}: {why}")]
+                return [_Message("failed", 0, reason=f"the trial is not in pack server {self.pack_id!r}: {why}")]
             slot.deadline = time.monotonic() + self.lease_seconds
             self._cond.wait_for(lambda: slot.outbox or self._slots.get(ticket) is not slot, timeout)
             messages = list(slot.outbox)
@@ -246,24 +266,29 @@ class PackServer:
     # ------------------------------------------------------------------ records
 
     def stats(self) -> dict:
-        """Where this server runs and what it holds."""
+        """Where this server runs and what it holds: ``model_loads`` counts every base's
+        loads (``base_loads`` by base), ``packs`` the pack_id of each loaded base's job."""
         with self._cond:
-            return {"pack_id": self.job.pack_id, "node_id": ray.get_runtime_context().get_node_id(),
-                    "device": str(self.job.device), "model_loads": self.model_loads,
+            first = self.jobs.get(next(iter(self.bases)))
+            return {"pack_id": self.pack_id, "node_id": ray.get_runtime_context().get_node_id(),
+                    "device": str(first.device) if first is not None else None,
+                    "model_loads": sum(self.model_loads.values()), "base_loads": dict(self.model_loads),
+                    "packs": {base: job.pack_id for base, job in self.jobs.items()},
                     "active": len(self._in_job()), "max_adapters": self.max_adapters,
-                    "job_steps": len(self.job.step_stats)}
+                    "job_steps": sum(len(job.step_stats) for job in self.jobs.values())}
 
     def load(self) -> tuple[int, int]:
-        """(trials in the job, most trials allowed)."""
+        """(trials in the jobs, most trials allowed in one)."""
         with self._cond:
             return len(self._in_job()), self.max_adapters
 
     def history(self) -> list[dict]:
-        """Every join and leave: time, event, trial_id (Tune's), pack_id, `active` (trials in
-        the job after it); joins add `pack_mates` (trials already training), `config`,
-        `resume_step`, `from_state`, `new_hyperparameters` (the config fields that differ from
-        the state it continues, as after a PBT exploit) and `proxy` (its pid and node); leaves add the `reason` (finished,
-        failed, stopped, paused, errored, lease expired)."""
+        """Every join and leave: time, event, trial_id (Tune's), pack_id, base, `active`
+        (trials in the base's job after it); joins add `pack_mates` (trials already training
+        there), `config`, `resume_step`, `from_state`, `new_hyperparameters` (the config fields
+        that differ from the state it continues, as after a PBT exploit) and `proxy` (its pid
+        and node); leaves add the `reason` (finished, failed, stopped, paused, errored, lease
+        expired)."""
         with self._cond:
             return list(self._history)
 
@@ -275,41 +300,61 @@ class PackServer:
     # ------------------------------------------------------------------ the training thread
 
     def _train_forever(self) -> None:
-        """Run the job whenever it has trials; wait for the next one when it has none."""
+        """Run the jobs that have trials, each up to its next event in turn; wait for the next
+        trial when none has any."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self._in_job())
+                self._cond.wait_for(lambda: self._stopping or self._in_job() or self._runs)
                 if self._stopping:
                     return
-            try:
-                for event in self.job.run():  # returns when the last trial has left
-                    self._dispatch(event)
-            except Exception as e:  # a crashed step fails its trials, not the server
-                logger.exception("pack %s: the training loop failed", self.job.pack_id)
-                with self._cond:
-                    for ticket in self._in_job():
-                        self.job.remove_trial(ticket)
-                        self._finish(ticket, _Message("failed", 0, reason=f"the pack server failed: {e!r}"))
+                bases = list(dict.fromkeys([self._slots[t].base for t in self._in_job()] + list(self._runs)))
+            for base in bases:
+                self._next_event(base)
+            with self._cond:
+                self._release_idle_jobs()
 
-    def _dispatch(self, event) -> None:
-        """Turn one engine event into a message for the trial's proxy."""
+    def _next_event(self, base: str) -> None:
+        """Run `base`'s job up to its next event and dispatch it; a crashed step fails that
+        job's trials, not the server."""
+        job = self.jobs[base]
+        if base not in self._runs:
+            self._runs[base] = job.run()
+        try:
+            event = next(self._runs[base])
+        except StopIteration:  # its last trial has left
+            with self._cond:
+                del self._runs[base]
+                self._idle_since[base] = time.monotonic()
+            return
+        except Exception as e:
+            logger.exception("pack %s: the training loop failed", job.pack_id)
+            with self._cond:
+                self._runs.pop(base, None)
+                for ticket in self._in_job(base):
+                    job.remove_trial(ticket)
+                    self._finish(ticket, _Message("failed", 0, reason=f"the pack server failed: {e!r}"))
+            return
+        self._dispatch(event, job)
+
+    def _dispatch(self, event, job) -> None:
+        """Turn one engine event of `job` into a message for the trial's proxy."""
         from ..engine import Failed, Finished, Report
 
         with self._cond:
             slot = self._slots.get(event.trial_id)
             if slot is None or not slot.in_job:
                 return  # it left already; the engine drops it at this step
-        metrics = _tune_metrics(getattr(event, "metrics", {}), self.job.pack_id)
+        metrics = _tune_metrics(getattr(event, "metrics", {}), job.pack_id, slot.base)
         if isinstance(event, Report):
             if event.step >= slot.cfg.max_steps or event.step <= slot.resume_step:
                 return  # Finished follows with the same metrics / Tune had it before a pause
-            adapter = self._current_adapter(slot.ticket) if self.checkpoint_every_report else None
+            adapter = self._current_adapter(slot.ticket, job) if self.checkpoint_every_report else None
             message = _Message("report", event.step, metrics, adapter)
         elif isinstance(event, Finished):
             message = _Message("finished", event.step, metrics, _read_dir(event.adapter_dir))
         else:
             assert isinstance(event, Failed), event
-            message = _Message("failed", event.step, reason=f"{event.reason} (pack {self.job.pack_id!r})")
+            message = _Message("failed", event.step, reason=f"{event.reason} (pack {job.pack_id!r})")
         with self._cond:
             if self._slots.get(slot.ticket) is not slot or not slot.in_job:
                 return  # it left while we saved the adapter
@@ -322,17 +367,17 @@ class PackServer:
             else:
                 self._finish(slot.ticket, message)
 
-    def _current_adapter(self, ticket: str) -> dict[str, bytes]:
+    def _current_adapter(self, ticket: str, job) -> dict[str, bytes]:
         # Runs between steps in the training thread, so the weights are not moving.
         path = tempfile.mkdtemp(prefix="lora_sweep_ckpt_")
         try:
-            files = _read_dir(self.job.save_adapter(ticket, path))
+            files = _read_dir(job.save_adapter(ticket, path))
         finally:
             shutil.rmtree(path, ignore_errors=True)
         import torch  # pack servers hold the engine; proxies never import torch
 
         state = io.BytesIO()
-        torch.save(self.job.trial_state(ticket), state)
+        torch.save(job.trial_state(ticket), state)
         return {**files, STATE_FILE: state.getvalue()}
 
     # ------------------------------------------------------------------ leases
@@ -345,13 +390,78 @@ class PackServer:
                     return
                 now = time.monotonic()
                 for ticket in [t for t, s in self._slots.items() if s.deadline < now]:
-                    logger.warning("pack %s: trial %s lost its proxy; dropping it", self.job.pack_id, ticket)
+                    logger.warning("pack server %s: trial %s lost its proxy; dropping it", self.pack_id, ticket)
                     self._forget(ticket, "lease expired")
+
+    # ------------------------------------------------------------------ bases (hold self._cond)
+
+    def _base_of(self, cfg: TrialConfig) -> str:
+        """The name of the base `cfg` trains on; an unknown name is its `ConfigError`."""
+        if cfg.base_model is None:
+            return next(iter(self.bases))
+        if cfg.base_model not in self.bases:
+            raise ConfigError(f"Trial {cfg.trial_id!r}: the value of `base_model` is {cfg.base_model!r}, but must be "
+                              f"one of the sweep's bases {list(self.bases)}.", field="base_model",
+                              trial_id=cfg.trial_id)
+        return cfg.base_model
+
+    def _job(self, base: str):
+        """`base`'s packed job, created (its model loaded) on first use."""
+        from ..costmodel import job_memory_model
+        from ..engine import PackedJob
+
+        if base not in self.jobs:
+            pack_id = self.pack_id if len(self.bases) == 1 else f"{self.pack_id}-{base}"
+            job = PackedJob(self.bases[base], progress=False, pack_id=pack_id)
+            job.memory_model = job_memory_model(job.spec, job.device)  # the engine corrects it on OOM
+            self.jobs[base] = job
+            self.model_loads[base] = self.model_loads.get(base, 0) + 1
+        return self.jobs[base]
+
+    def _beside(self, base: str) -> Optional[float]:
+        """Bytes the jobs of other bases hold on the device (`memory_beside`)."""
+        from ..planner import memory_beside
+
+        return memory_beside([(job.memory_model, [self._slots[t].cfg for t in self._in_job(other)])
+                              for other, job in self.jobs.items() if other != base])
+
+    def _room_for_base(self, base: str, cfg: TrialConfig) -> bool:
+        """Whether `base`'s job, with `cfg` in it, fits beside the other bases' jobs, after
+        releasing those without trials. Without memory models every base loads."""
+        from ..costmodel import job_memory_model
+        from ..planner import fits_running_job
+
+        first = next(iter(self.jobs.values()), None)
+        model = job_memory_model(self.bases[base], first.device if first is not None else None)
+        for attempt in range(2):
+            beside = self._beside(base)
+            if beside is None or fits_running_job([], cfg, model, max_adapters=1, beside_bytes=beside):
+                return True
+            if attempt == 0:  # make room: idle jobs of other bases go now
+                self._release_idle_jobs(now=math.inf)
+        return False
+
+    def _release_idle_jobs(self, now: Optional[float] = None) -> None:
+        """Drop the job (and the model's memory) of a base without trials for `base_idle_s`
+        (at `now`), when the server has several bases."""
+        if len(self.bases) < 2:
+            return
+        now = time.monotonic() if now is None else now
+        for base, since in list(self._idle_since.items()):
+            if now - since < self.base_idle_s or self._in_job(base) or base in self._runs:
+                continue
+            del self._idle_since[base]
+            job = self.jobs.pop(base)
+            job.release_locks()
+            del job
+            _empty_cuda_cache()
+            logger.info("pack server %s: released base %r after %.0f s without trials", self.pack_id, base,
+                        now - since)
 
     # ------------------------------------------------------------------ helpers (hold self._cond)
 
-    def _in_job(self) -> list[str]:
-        return [t for t, s in self._slots.items() if s.in_job]
+    def _in_job(self, base: Optional[str] = None) -> list[str]:
+        return [t for t, s in self._slots.items() if s.in_job and (base is None or s.base == base)]
 
     def _finish(self, ticket: str, message: _Message) -> None:
         """The stay's last message: the adapter left the job (finished or failed)."""
@@ -360,7 +470,7 @@ class PackServer:
         slot.outbox.append(message)
         reason = "finished" if message.kind == "finished" else "failed"
         self._left[ticket] = reason
-        self._record("leave", slot.tune_id, reason=reason)
+        self._record("leave", slot.tune_id, slot.base, reason=reason)
         self._cond.notify_all()
 
     def _forget(self, ticket: str, reason: str) -> None:
@@ -371,25 +481,45 @@ class PackServer:
         if self._tickets.get(slot.tune_id) == ticket:
             del self._tickets[slot.tune_id]
         if slot.in_job:
-            self.job.remove_trial(ticket)
+            self.jobs[slot.base].remove_trial(ticket)
             self._left[ticket] = reason
-            self._record("leave", slot.tune_id, reason=reason)
+            self._record("leave", slot.tune_id, slot.base, reason=reason)
         self._cond.notify_all()
 
-    def _record(self, event: str, tune_id: str, **details) -> None:
+    def _record(self, event: str, tune_id: str, base: str, **details) -> None:
+        job = self.jobs.get(base)
         self._history.append({"time": time.time(), "event": event, "trial_id": tune_id,
-                              "pack_id": self.job.pack_id, "active": len(self._in_job()), **details})
+                              "pack_id": job.pack_id if job is not None else None, "base": base,
+                              "active": len(self._in_job(base)), **details})
 
 
-def _tune_metrics(metrics: dict, pack_id: str) -> dict:
+def _bases(spec) -> dict[str, JobSpec]:
+    """The sweep's bases by name: one `JobSpec` is a single base named by its model."""
+    if isinstance(spec, JobSpec):
+        return {spec.model_name: spec}
+    if isinstance(spec, dict) and spec and all(isinstance(k, str) and k and isinstance(v, JobSpec)
+                                               for k, v in spec.items()):
+        return dict(spec)
+    raise TypeError(f"The value of `spec` is {spec!r}, but must be a lora_sweep.JobSpec or a non-empty dict of "
+                    "base name -> JobSpec.")
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _tune_metrics(metrics: dict, pack_id: str, base: str) -> dict:
     """An engine report's metrics as Tune gets them: `eval_loss` first (Tune's progress table
     shows the first four numbers of a result), the current learning rate as `lr` (the config's
-    `learning_rate` is the peak rate), and the pack."""
+    `learning_rate` is the peak rate), the pack and the base it trains on."""
     ordered = {k: metrics[k] for k in ("eval_loss", "train_loss", "step") if k in metrics}
     if "learning_rate" in metrics:
         ordered["lr"] = metrics["learning_rate"]
     ordered.update((k, v) for k, v in metrics.items() if k not in ordered and k != "learning_rate")
-    return {**ordered, "pack_id": pack_id}
+    return {**ordered, "pack_id": pack_id, "base_model": base}
 
 
 def _read_dir(path: str) -> dict[str, bytes]:
@@ -632,6 +762,11 @@ class PackedExecutor:
         spec:
             The shared base model and data. Data files are read here and shipped to the pack
             servers; the base model (a hub id or a directory) must be reachable on every node.
+            Or several bases by name (``{"small": spec_a, "large": spec_b}``): a trial picks
+            one with its config's ``base_model`` (``tune.choice(list(bases))``; the first when
+            it names none) and may set its own ``max_seq_len``; every pack server keeps one job
+            per base that has trials, so packs never mix bases, and each report carries the
+            ``base_model`` it trained on.
         num_servers:
             Pack servers to start; None: the cluster's GPUs divided by the GPUs per server,
             or 1 without GPUs.
@@ -656,11 +791,14 @@ class PackedExecutor:
         startup_timeout_s:
             How long to wait for all pack servers to load the model; None: forever (an
             autoscaling cluster may need to add nodes first).
+        base_idle_s:
+            With several bases: seconds a pack server keeps a base's job (and its model)
+            without trials before it releases it (sooner when another base needs the memory).
     """
 
     def __init__(
         self,
-        spec: JobSpec,
+        spec: Union[JobSpec, dict[str, JobSpec]],
         *,
         num_servers: Optional[int] = None,
         resources_per_server: Optional[dict[str, float]] = None,
@@ -671,6 +809,7 @@ class PackedExecutor:
         poll_seconds: float = 1.0,
         name: Optional[str] = None,
         startup_timeout_s: Optional[float] = 600.0,
+        base_idle_s: float = 60.0,
     ):
         if not isinstance(max_adapters_per_server, int) or max_adapters_per_server < 1:
             raise ValueError(f"The value of `max_adapters_per_server` is {max_adapters_per_server!r}, "
@@ -680,7 +819,8 @@ class PackedExecutor:
                              f"({poll_seconds}) must satisfy `lease_seconds > poll_seconds > 0`.")
         if not ray.is_initialized():
             ray.init()
-        self.spec = _portable(spec)
+        self.bases = {name: _portable(base) for name, base in _bases(spec).items()}
+        self.spec = next(iter(self.bases.values()))  # the first base: a trial's default
         self.name = name or f"lora_sweep-{uuid.uuid4().hex[:8]}"
         resources = dict(resources_per_server or _default_server_resources())
         if num_servers is None:
@@ -695,8 +835,9 @@ class PackedExecutor:
             ray.remote(PackServer).options(
                 name=server_name, namespace=NAMESPACE, max_concurrency=2 * max_adapters_per_server + 16,
                 scheduling_strategy="SPREAD", **_actor_resources(resources),
-            ).remote(self.spec, pack_id=server_name, max_adapters=max_adapters_per_server,
-                     lease_seconds=lease_seconds, checkpoint_every_report=checkpoint_every_report)
+            ).remote(self.bases, pack_id=server_name, max_adapters=max_adapters_per_server,
+                     lease_seconds=lease_seconds, checkpoint_every_report=checkpoint_every_report,
+                     base_idle_s=base_idle_s)
             for server_name in self.server_names
         ]
         try:

@@ -28,9 +28,10 @@ SWEEP_KEYS = {
     "dtype": "bfloat16, float16, float32 or auto (default auto)",
     "gradient_checkpointing": "recompute base activations (default false)",
     "target_modules": "linear layers that get adapters (default all seven)",
-    "bases": "several base models in one sweep (`plan` only): name -> {model, and optionally max_seq_len, dtype, "
+    "bases": "several base models in one sweep: name -> {model, and optionally max_seq_len, dtype, "
              "gradient_checkpointing, quantization}, each defaulting to the sweep's; a trial names its base "
-             "(`base`), a search space may draw it (`base: [names]`), else every drawn trial runs on every base",
+             "(`base_model`), a search space may draw it (`base_model: [names]`), else every drawn trial runs on "
+             "every base",
     # the hardware (`run` plans for this machine's GPUs instead: at most `gpus` of them)
     "gpus": "GPUs for the sweep (default 8)",
     "gpu_memory_gb": "memory of each GPU (default 80; `plan` only)",
@@ -120,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     ranks.add_argument("--trials", required=True, help="JSON list of the job's trials (TrialConfig fields)")
     ranks.add_argument("--events", required=True, help="where rank 0 writes the job's events, a JSON object a line")
     ranks.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ranks.add_argument("--base", default=None, help="the name of the sweep's base the job trains (`bases`)")
     ranks.set_defaults(func=_train_ranks)
     return parser
 
@@ -233,12 +235,15 @@ def read_sweep(path: str) -> dict:
     defaults = dict(max_seq_len=512, dtype="auto", gradient_checkpointing=False, gpus=8, gpu_memory_gb=80,
                     gpu="h100-sxm", load_factor=0.9, n_trials=120, seed=0, steps=200, objective="time",
                     output_dir=os.path.join("lora_sweep_runs", os.path.splitext(os.path.basename(path))[0]))
-    if sweep.get("model") == "tiny":
+    entries = [sweep, *(bases or {}).values()]
+    if any(entry.get("model") == "tiny" for entry in entries):
         from .tiny import tiny_model_path, tiny_task_paths
 
         train, dev = tiny_task_paths()
         defaults.update(train_data=train, eval_data=dev, max_seq_len=64)
-        sweep["model"] = tiny_model_path()
+        for entry in entries:
+            if entry.get("model") == "tiny":
+                entry["model"] = tiny_model_path()
     return {**defaults, **sweep}
 
 
@@ -282,36 +287,38 @@ def sweep_trials(sweep: dict) -> list[TrialConfig]:
 
 
 def sweep_trials_by_base(sweep: dict) -> dict[str, list[TrialConfig]]:
-    """The trials of a sweep with `bases`, by base name: an explicit trial's `base` (default the
-    first base); a search space's `base` dimension (a list of names) drawn like the others;
-    without either, every drawn trial on every base, its id suffixed with ``@<base>``."""
+    """The trials of a sweep with `bases`, by base name, each with its `base_model` set: an
+    explicit trial's `base_model` (default the first base); a search space's `base_model`
+    dimension (a list of names) drawn like the others; without either, every drawn trial on
+    every base, its id suffixed with ``@<base>``."""
     import random
 
     names = list(sweep["bases"])
 
     def checked(base):
         if base not in sweep["bases"]:
-            raise ValueError(f"A trial's `base` is {base!r}, but must be one of the sweep's bases {names}.")
+            raise ValueError(f"A trial's `base_model` is {base!r}, but must be one of the sweep's bases {names}.")
         return base
 
     if sweep.get("trials"):
-        chosen = [checked(t.get("base", names[0])) for t in sweep["trials"]]
-        trials = sweep_trials({**sweep, "trials": [{k: v for k, v in t.items() if k != "base"}
+        chosen = [checked(t.get("base_model") or names[0]) for t in sweep["trials"]]
+        trials = sweep_trials({**sweep, "trials": [{k: v for k, v in t.items() if k != "base_model"}
                                                    for t in sweep["trials"]]})
     else:
         space = dict(sweep.get("search_space") or {})
-        drawn = space.pop("base", None)
+        drawn = space.pop("base_model", None)
         trials = sweep_trials({**sweep, "search_space": space or None})
         if drawn is None:  # every trial on every base
-            return {name: [dataclasses.replace(t, trial_id=f"{t.trial_id}@{name}") for t in trials]
+            return {name: [dataclasses.replace(t, trial_id=f"{t.trial_id}@{name}", base_model=name) for t in trials]
                     for name in names}
         if not isinstance(drawn, list) or not drawn:
-            raise ValueError(f"The search space dimension `base` is {drawn!r}, but must be a list of base names.")
+            raise ValueError(f"The search space dimension `base_model` is {drawn!r}, but must be a list of base "
+                             "names.")
         rng = random.Random(sweep["seed"])
         chosen = [checked(rng.choice(drawn)) for _ in trials]
     by_base: dict[str, list[TrialConfig]] = {name: [] for name in names}
     for trial, base in zip(trials, chosen):
-        by_base[base].append(trial)
+        by_base[base].append(dataclasses.replace(trial, base_model=base))
     return by_base
 
 
@@ -382,22 +389,30 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from .costmodel import CostModel
-    from .planner import plan
+    from .planner import plan, plan_bases
     from .plots import LossCurves
 
     sweep = read_sweep(args.sweep)
-    if sweep.get("bases"):
-        raise ValueError("`lora-sweep run` trains a sweep of one base model (`model`); a sweep with `bases` is "
-                         "planned by `lora-sweep plan`.")
-    spec = sweep_spec(sweep)
-    trials = sweep_trials(sweep)
     # Plan for this machine: its GPUs (at most the file's `gpus`) and their measured memory, or the CPU.
     devices = min(sweep["gpus"], torch.cuda.device_count())
-    cost_model = CostModel.from_model(spec, None, load_factor=sweep["load_factor"])
-    result = plan(None, trials, max(1, devices), cost_model=cost_model,
-                  max_adapters_per_job=sweep.get("max_adapters_per_job"), objective=sweep["objective"])
-    where = f"{devices} x {cost_model.gpu.name}" if devices else "the CPU"
-    print(f"{len(trials)} trials of {spec.model_name} on {where}, {len(result.jobs)} packed job(s):")
+    if sweep.get("bases"):  # a spec and the trials of each base; every job trains one base's trials
+        specs = {name: sweep_spec(sweep, name) for name in sweep["bases"]}
+        by_base = sweep_trials_by_base(sweep)
+        result = plan_bases({name: (CostModel.from_model(specs[name], None, load_factor=sweep["load_factor"]),
+                                    by_base[name]) for name in specs}, max(1, devices),
+                            max_adapters_per_job=sweep.get("max_adapters_per_job"), objective=sweep["objective"])
+        trials = [t for base_trials in by_base.values() for t in base_trials]
+        what = f"{len(specs)} base models ({', '.join(specs)})"
+    else:
+        specs = {None: sweep_spec(sweep)}
+        trials = sweep_trials(sweep)
+        result = plan(None, trials, max(1, devices), cost_model=CostModel.from_model(
+            specs[None], None, load_factor=sweep["load_factor"]),
+            max_adapters_per_job=sweep.get("max_adapters_per_job"), objective=sweep["objective"])
+        what = specs[None].model_name
+    spec = next(iter(specs.values()))
+    where = f"{devices} x {torch.cuda.get_device_name(0)}" if devices else "the CPU"
+    print(f"{len(trials)} trials of {what} on {where}, {len(result.jobs)} packed job(s):")
     print(result.table())
 
     # Each job starts once the jobs planned before it on its GPUs are done; jobs on other GPUs
@@ -416,7 +431,7 @@ def _run(args: argparse.Namespace) -> int:
                 _train_on_ranks(args.sweep, job, "cuda" if devices else "cpu", curves, results, lock)
             else:
                 device = f"cuda:{job.gpu_ids[0]}" if devices else "cpu"
-                _train_job(dataclasses.replace(spec, device=device), job.trials, curves, results, lock)
+                _train_job(dataclasses.replace(specs[job.base], device=device), job.trials, curves, results, lock)
         except Exception as e:  # noqa: BLE001 - re-raised in the main thread
             errors.append(e)
         finally:
@@ -439,18 +454,24 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if len(ranked) == len(trials) else 1
 
 
-def sweep_spec(sweep: dict) -> JobSpec:
+def sweep_spec(sweep: dict, base: Optional[str] = None) -> JobSpec:
     """The `JobSpec` that `lora-sweep run` trains a sweep's trials with.
 
     Args:
         sweep:
             A sweep from `read_sweep`.
+        base:
+            The name of one of the sweep's `bases`: its model and settings, the sweep's where
+            it sets none; None: the sweep's own `model`.
 
     Returns:
         The spec.
     """
     from .costmodel import PRESETS
 
+    if base is not None:
+        entry = sweep["bases"][base]
+        sweep = {**sweep, **{k: entry[k] for k in BASE_KEYS if k in entry}}
     model = sweep["model"]
     if not isinstance(model, str) or model in PRESETS:
         raise ValueError(f"The value of `model` is {model!r}: `plan` models it from its shape alone, but `run` "
@@ -460,7 +481,8 @@ def sweep_spec(sweep: dict) -> JobSpec:
     return JobSpec(base_model=model, train_data=sweep["train_data"], eval_data=sweep.get("eval_data"),
                    max_seq_len=sweep["max_seq_len"], dtype=sweep["dtype"],
                    gradient_checkpointing=sweep["gradient_checkpointing"], output_dir=sweep["output_dir"],
-                   **{k: sweep[k] for k in ("target_modules", "eval_every") if sweep.get(k) is not None})
+                   **{k: sweep[k] for k in ("target_modules", "eval_every", "quantization")
+                      if sweep.get(k) is not None})
 
 
 def _train_job(spec, trials: list[TrialConfig], curves, results: dict, lock: Optional[Any] = None) -> None:
@@ -498,7 +520,7 @@ def _train_on_ranks(sweep_path: str, job, device: str, curves, results: dict, lo
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in job.gpu_ids)
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job.num_gpus),
                    "--standalone", "-m", "lora_sweep.cli", "train-ranks", sweep_path, "--trials", trials_path,
-                   "--events", events_path, "--device", device]
+                   "--events", events_path, "--device", device] + (["--base", job.base] if job.base else [])
         done = subprocess.run(command, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"The job of {len(job.trials)} trials on {job.num_gpus} ranks (GPUs {job.gpu_ids}) "
@@ -522,7 +544,7 @@ def _train_ranks(args: argparse.Namespace) -> int:
 
     from .engine import PackedJob
 
-    spec = dataclasses.replace(sweep_spec(read_sweep(args.sweep)), device=args.device)
+    spec = dataclasses.replace(sweep_spec(read_sweep(args.sweep), args.base), device=args.device)
     with open(args.trials) as f:
         trials = [TrialConfig.from_dict(t) for t in json.load(f)]
     rank = int(os.environ.get("RANK", "0"))

@@ -700,6 +700,7 @@ def fits_running_job(
     *,
     max_adapters: int,
     moved_out: int = 0,
+    beside_bytes: float = 0.0,
 ) -> bool:
     """Whether `trial` may join a running job now: the one admission rule of the tuner
     integrations, on any device.
@@ -732,6 +733,9 @@ def fits_running_job(
             Most trials in the job at once.
         moved_out:
             Trials the job moved out after running out of memory (``len(job.waiting)``).
+        beside_bytes:
+            Memory that jobs of other bases hold on the same device (`memory_beside`): the
+            trial joins only within what they leave.
 
     Returns:
         True if it joins now, False if it waits.
@@ -745,7 +749,20 @@ def fits_running_job(
         return False
     if memory_model is None:
         return True
+    if beside_bytes:
+        gpu = memory_model.gpu
+        memory_model = dataclasses.replace(memory_model, gpu=dataclasses.replace(
+            gpu, memory_gb=gpu.memory_gb - beside_bytes / (memory_model.load_factor * GB)))
     return bool(admit(running_trials, [trial], memory_model, max_adapters=max_adapters))
+
+
+def memory_beside(jobs: Sequence[tuple[Optional[CostModel], Sequence[TrialConfig]]]) -> Optional[float]:
+    """Bytes that `jobs` (each a memory model and its running trials) hold on one device,
+    for `fits_running_job`'s `beside_bytes`; None if one of them has no memory model (then
+    nothing can be said, and every job is left to its own adapter cap, as on a CPU)."""
+    if any(model is None for model, _ in jobs):
+        return None
+    return sum(model.memory_per_gpu(list(trials)) for model, trials in jobs)
 
 
 # --------------------------------------------------------------------------- microbatches

@@ -90,3 +90,54 @@ def test_an_optuna_sweep_over_two_bases_and_two_lengths(tiny_llama_dir, char_tok
         packed = load_file(os.path.join(t.user_attrs["adapter_dir"], "adapter_model.safetensors"))
         for key, value in packed.items():
             assert rel(value, reference[key]) < 1e-5, (t.number, key)
+
+
+def test_a_base_is_admitted_within_what_the_other_bases_leave_of_the_gpu():
+    from lora_sweep.costmodel import GB, CostModel
+    from lora_sweep.planner import fits_running_job, memory_beside
+
+    small = CostModel.from_model("llama-3.2-1b", gpu="h100-sxm", max_seq_len=1024)
+    large = CostModel.from_model("qwen2.5-7b", gpu="h100-sxm", max_seq_len=1024)
+    trial = ls.TrialConfig(rank=16, batch_size=4)
+    room = small.capacity_bytes - small.memory_per_gpu([trial])
+    assert fits_running_job([], trial, small, max_adapters=4, beside_bytes=room - GB)
+    assert not fits_running_job([], trial, small, max_adapters=4, beside_bytes=room + GB)
+    held = memory_beside([(large, [trial, trial]), (small, [])])
+    assert held == large.memory_per_gpu([trial, trial]) + small.memory_per_gpu([])
+    assert memory_beside([(large, [trial]), (None, [trial])]) is None  # a job without a memory model
+
+
+def test_a_ray_tune_sweep_over_two_bases_and_two_lengths(tiny_llama_dir, char_tokenizer, toy_data, tmp_path):
+    ray = pytest.importorskip("ray")
+    from ray import tune
+
+    from lora_sweep.integrations.ray_tune import PackedExecutor
+
+    large_dir = save_tiny_model("llama", char_tokenizer, tmp_path / "large", seed=5, hidden_size=64,
+                                intermediate_size=128, num_hidden_layers=3, tie_word_embeddings=False)
+    dirs = {"small": tiny_llama_dir, "large": large_dir}
+    bases = {name: make_spec(d, toy_data, tmp_path / "runs", max_seq_len=32, eval_every=2)
+             for name, d in dirs.items()}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with PackedExecutor(bases, max_adapters_per_server=3, poll_seconds=0.5) as executor:
+            analysis = executor.run(
+                config={"base_model": tune.grid_search(["small", "large"]), "max_seq_len": tune.grid_search([12, 32]),
+                        "rank": 4, "dropout": 0.0, "batch_size": 2, "max_steps": 4, "learning_rate": 2e-3},
+                storage_path=str(tmp_path / "tune"), verbose=0)
+            (stats,) = executor.stats()
+    finally:
+        ray.shutdown()
+    assert len(analysis.trials) == 4 and all(t.status == "TERMINATED" for t in analysis.trials)
+    assert stats["base_loads"] == {"small": 1, "large": 1}  # each base loaded once on the device
+    for t in analysis.trials:
+        assert t.last_result["base_model"] == t.config["base_model"]
+        assert t.last_result["pack_id"] == stats["packs"][t.config["base_model"]]  # packs never mix bases
+        cfg = ls.TrialConfig.from_dict(t.config, trial_id=t.trial_id)
+        with t.checkpoint.as_directory() as path:
+            with open(os.path.join(path, "adapter_config.json")) as f:
+                assert json.load(f)["base_model_name_or_path"] == dirs[cfg.base_model]
+            packed = load_file(os.path.join(path, "adapter_model.safetensors"))
+        reference = alone(dirs[cfg.base_model], toy_data, tmp_path, cfg, cfg.max_seq_len, f"alone-{t.trial_id}")
+        for key, value in packed.items():
+            assert rel(value, reference[key]) < 1e-5, (t.trial_id, key)

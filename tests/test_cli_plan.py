@@ -103,7 +103,7 @@ def test_plan_a_sweep_over_three_bases(tmp_path, capsys):
                        "mid": {"model": "llama-3.2-1b", "quantization": "nf4"},
                        "large": {"model": "qwen2.5-7b"}},
              "gpus": 8, "n_trials": 30, "steps": 100,
-             "search_space": {"base": ["small", "mid", "large"], "rank": [8, 16, 64], "batch_size": [1, 4, 16]},
+             "search_space": {"base_model": ["small", "mid", "large"], "rank": [8, 16, 64], "batch_size": [1, 4, 16]},
              "output_dir": str(tmp_path)}
     path = tmp_path / "bases.yaml"
     path.write_text(yaml.safe_dump(sweep, sort_keys=False))
@@ -119,11 +119,11 @@ def test_plan_a_sweep_over_three_bases(tmp_path, capsys):
     from lora_sweep.cli import sweep_trials_by_base
     crossed = sweep_trials_by_base(read_sweep(str(path)) | {"search_space": {"rank": [8, 16]}, "n_trials": 4})
     assert [len(v) for v in crossed.values()] == [4, 4, 4] and crossed["mid"][0].trial_id.endswith("@mid")
-    explicit = read_sweep(str(path)) | {"trials": [{"rank": 8, "base": "large"}, {"rank": 16}]}
+    explicit = read_sweep(str(path)) | {"trials": [{"rank": 8, "base_model": "large"}, {"rank": 16}]}
     assert {k: [t.rank for t in v] for k, v in sweep_trials_by_base(explicit).items()} == \
         {"small": [16], "mid": [], "large": [8]}
     with pytest.raises(ValueError, match="must be one of the sweep's bases"):
-        sweep_trials_by_base(explicit | {"trials": [{"rank": 8, "base": "huge"}]})
+        sweep_trials_by_base(explicit | {"trials": [{"rank": 8, "base_model": "huge"}]})
     path.write_text(yaml.safe_dump(sweep | {"bases": {"small": {"max_seq_len": 256}}}))
     assert main(["plan", str(path)]) != 0
     assert "must map names to mappings with a `model`" in capsys.readouterr().err

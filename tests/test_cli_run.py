@@ -80,3 +80,24 @@ def test_demo_draws_loss_curves_and_its_snippet_runs_as_printed(tmp_path, capsys
     from peft import PeftModel
 
     assert isinstance(namespace["model"], PeftModel)
+
+
+def test_run_trains_a_sweep_over_two_bases(tmp_path, capsys):
+    """`bases`: each planned job trains one base's trials, with that base's settings; a trial
+    may also set its own max_seq_len, at most its base's."""
+    trials = [{"rank": 4, "learning_rate": 3e-3, "batch_size": 2, "trial_id": "a", "base_model": "short"},
+              {"rank": 4, "learning_rate": 3e-3, "batch_size": 2, "trial_id": "b", "base_model": "long"},
+              {"rank": 8, "learning_rate": 1e-3, "batch_size": 2, "trial_id": "c", "base_model": "long",
+               "max_seq_len": 16}]
+    path = tmp_path / "bases.yaml"
+    path.write_text(yaml.safe_dump({"bases": {"short": {"model": "tiny", "max_seq_len": 16},
+                                              "long": {"model": "tiny", "max_seq_len": 32}},
+                                    "steps": 4, "eval_every": 2, "output_dir": str(tmp_path / "runs"),
+                                    "trials": trials}, sort_keys=False))
+    assert main(["run", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "3 trials of 2 base models (short, long) on the CPU" in out
+    jobs = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert sorted(j[1] for j in jobs) == ["long", "short"]  # a job per base, never mixed
+    for trial_id in "abc":
+        assert (tmp_path / "runs" / "adapters" / trial_id / "adapter_model.safetensors").is_file()

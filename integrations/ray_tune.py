@@ -2,7 +2,8 @@
 
 Tune starts one small *proxy* per trial (the function trainable `PackedExecutor.trainable`);
 the heavy work happens in *pack servers*, Ray actors that each hold a GPU (or the CPU) and one
-`PackedJob` whose base model is loaded once. The proxy only translates:
+`PackedJob` per base model of the sweep that has trials, each base loaded once. The proxy only
+translates:
 
     Tune config --TrialConfig--> pack server: add_trial --PackedJob.run()--> Report / Finished / Failed
     tune.report(metrics, checkpoint) <------ proxy <------ messages <-----------------'

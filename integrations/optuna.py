@@ -75,6 +75,7 @@ _WORKER = "lora_sweep:worker"  # trial system attr: id of the worker running it
 _HEARTBEAT = "lora_sweep:heartbeat:"  # study system attr prefix: + worker id -> last time.time() it was alive
 _STALE_AFTER_BEATS = 3  # a worker silent for this many heartbeat intervals is dead
 _ORPHAN_AFTER_S = 10.0  # an unclaimed trial this old was created by a worker that died at once
+_CONTINUE, _STOP = "continue", "stop"  # rank 0's word to the other ranks of a d-rank job before each run
 
 
 class PackedLoRASampler(BaseSampler):
@@ -151,7 +152,10 @@ class PackedLoRASampler(BaseSampler):
         devices:
             The devices of this worker, e.g. ``["cuda:0", "cuda:1"]`` (ints mean CUDA
             indices): one packed job per device, fed from the same study. None: ``spec.device``.
-            For more machines, run one worker per machine on a shared storage.
+            For more machines, run one worker per machine on a shared storage. A script run
+            under ``torchrun --nproc-per-node d`` trains one job over the d ranks (the base
+            sharded, each trial on one rank): rank 0 asks and tells the study, the other ranks
+            only train, and `optimize` returns on all of them when rank 0's sweep ends.
         heartbeat_interval:
             Seconds between this worker's heartbeats in a shared storage; another worker
             restarts its trials after three missed beats.
@@ -318,8 +322,17 @@ class PackedLoRASampler(BaseSampler):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"The value of `timeout` is {timeout!r}, but must be None or `timeout > 0`.")
         _warn_if_pruner_waits(self._study, self._max_concurrent)
+        ranks = self._ranks()
+        if ranks is not None and ranks.rank != 0:  # rank 0 runs the sweep; this rank trains its share
+            self._follow_rank_zero()
+            return
         space = _resolve_search_space(objective, self._trial_defaults) if objective is not None else None
         sweep = _Sweep(self, space, n_trials, timeout, callbacks, show_progress_bar)
+        self._run(sweep, space)
+        if ranks is not None:
+            ranks.all_gather(_STOP)  # the other ranks' `_follow_rank_zero` ends (after an error: their next collective)
+
+    def _run(self, sweep: _Sweep, space) -> None:
         with sweep.started():
             feeders = [_JobFeeder(self, sweep, index) for index in range(len(self._devices))]
             if sweep.may_ask():  # load the first base before the bars open: its loading bars end cleanly
@@ -332,6 +345,37 @@ class PackedLoRASampler(BaseSampler):
                     feeders[0].run()
                 else:
                     _run_in_threads([feeder.run for feeder in feeders], sweep)
+
+    def _ranks(self):
+        """The ranks of the sweep's job when this script runs under torchrun (or in a process
+        group it made), else None. Its first base's job is loaded here: it attaches to them."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1)):
+            return None
+        if len(self._bases) > 1 or len(self._devices) > 1:
+            raise ValueError("Under torchrun the sweep is one job over the ranks: give `PackedLoRASampler` one base "
+                             "and no `devices`.")
+        return self._job(0, next(iter(self._bases))).ranks
+
+    def _follow_rank_zero(self) -> None:
+        """A rank other than 0 of a d-rank job: train its share of every run rank 0 starts
+        (rank 0 alone asks and tells the study; events are rank 0's), until rank 0's sweep ends."""
+        job = self._job(0, next(iter(self._bases)))
+        while job.ranks.all_gather(None)[0] == _CONTINUE:
+            for _ in job.run():
+                pass
+
+    def _job(self, index: int, base: str) -> PackedJob:
+        """The packed job of `base` on device `index`, created (the base model loaded) on first use."""
+        key = (index, base)
+        if key not in self._jobs:
+            spec = dataclasses.replace(self._bases[base], device=self._devices[index])
+            job = PackedJob(spec, progress=False)
+            job.memory_model = job_memory_model(spec, job.device)  # corrected by OOMs
+            logger.info("device %s: loaded base %r for pack %s", spec.device, base, job.pack_id)
+            self._jobs[key] = job
+        return self._jobs[key]
 
     def _fit_default_ranks(self, job: PackedJob) -> None:
         """Clip the default space's ranks to the smallest targeted layer of the model (once)."""
@@ -551,13 +595,7 @@ class _JobFeeder:
 
     def job(self, base: str) -> PackedJob:
         """The device's packed job of `base`, created (the base model loaded) on first use."""
-        jobs, key = self.sampler._jobs, (self.index, base)
-        if key not in jobs:
-            spec = dataclasses.replace(self.sampler._bases[base], device=self.sampler._devices[self.index])
-            jobs[key] = PackedJob(spec, progress=False)
-            jobs[key].memory_model = job_memory_model(spec, jobs[key].device)  # corrected by OOMs
-            logger.info("device %s: loaded base %r for pack %s", spec.device, base, jobs[key].pack_id)
-        return jobs[key]
+        return self.sampler._job(self.index, base)
 
     def run(self) -> None:
         with _inside_optimize(self.sweep.study):
@@ -592,6 +630,8 @@ class _JobFeeder:
         job = self.job(base)
         if base not in self.runs:
             job.progress = self.sweep.show_progress_bar  # a bar of this job's steps
+            if job.ranks is not None:  # the other ranks start this run with rank 0
+                job.ranks.all_gather(_CONTINUE)
             self.runs[base] = job.run()
         try:
             event = next(self.runs[base])

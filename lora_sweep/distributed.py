@@ -34,9 +34,11 @@ only its shard of every weight from the safetensors files (`materialize`), so a 
 than one GPU or than the host's memory can start; a base given as a factory is built whole on
 every rank, then sharded.
 
-`lora-sweep run` starts a job planned on d GPUs this way (`cli._train_on_ranks`). Not built
-yet: the integrations' launch of d > 1 (`PackedLoRASampler(devices=...)`,
-`PackedExecutor(gpus_per_server=...)`), tensor parallelism, and the cost model for d > 1.
+`lora-sweep run` starts a job planned on d GPUs this way (`cli._train_on_ranks`), and so does a
+`PackedLoRASampler.optimize` script under torchrun (rank 0 asks and tells the study, the other
+ranks follow each run of the job). Not built yet: device groups (`PackedLoRASampler(devices=[[0,
+1], [2, 3]])`), Ray's `PackedExecutor(gpus_per_server=...)`, tensor parallelism, and the cost
+model for d > 1.
 Out-of-memory retries are not agreed between ranks: one rank's retry or eviction breaks the
 lockstep, and the job stops with a `PeerFailure` (at the latest on the timeout). CUDA graphs are
 off in a d-rank job.

@@ -3,8 +3,8 @@ GPU. Under torchrun it spans the ranks; imported, `run_job` runs it in the test'
 
     python -m torch.distributed.run --nproc-per-node 2 --standalone tests/distributed_worker.py args.json
 
-args.json: {"model_dir", "train", "eval", "out", "scenario": "join_leave" | "plain", "kill_at": null | int,
-"microbatch_tokens": null | int}.
+args.json: {"model_dir", "train", "eval", "out", "scenario": "join_leave" | "plain" | "optuna", "kill_at": null |
+int, "microbatch_tokens": null | int, "journal": the Optuna journal file of "optuna"}.
 Rank 0 writes to <out>/result.json the events it saw, the trials' owners and whether the base is
 sharded.
 """
@@ -88,10 +88,32 @@ def run_job(args: dict) -> tuple[PackedJob, list[dict]]:
     return job, seen
 
 
+def run_optuna_sweep(args: dict) -> None:
+    """The three trials as an Optuna sweep through `PackedLoRASampler` on a journal file: under
+    torchrun, rank 0 asks and tells the study and every rank trains its share of the one job."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    from lora_sweep.integrations.optuna import PackedLoRASampler
+
+    study = optuna.create_study(storage=JournalStorage(JournalFileBackend(args["journal"])), study_name="ranks",
+                                load_if_exists=True)
+    configs = [{k: v for k, v in t.to_dict().items() if k != "trial_id"} for t in three_trials()]
+    sampler = PackedLoRASampler(study, make_spec(args), metric="train_loss", max_concurrent=3)
+    sampler.optimize(objective=lambda trial: configs[trial.number], n_trials=3, show_progress_bar=False)
+    (job,) = sampler.jobs
+    print(f"rank {job.ranks.rank} done: one job on {job.ranks.size} ranks, trials on ranks "
+          f"{sorted(set(job.ranks.owners.values()))}", flush=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     with open(sys.argv[1]) as f:
         args = json.load(f)
+    if args["scenario"] == "optuna":
+        run_optuna_sweep(args)
+        return
     whole_loads = count_whole_loads()
     job, seen = run_job(args)
     rank = int(os.environ.get("RANK", "0"))

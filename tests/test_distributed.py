@@ -89,6 +89,31 @@ def test_two_ranks_train_what_one_trains_with_a_join_and_a_leave(base_args, tmp_
     assert "rank 1 done" in proc.stdout  # the other rank ran the whole job and yielded nothing
 
 
+def test_an_optuna_sweep_under_torchrun_spans_both_ranks(base_args, tmp_path):
+    """The sampler's script as a user writes it for one GPU, under torchrun: rank 0 asks and
+    tells the study, both ranks train, and each trial's adapter is the one a job on one
+    process gives the same config."""
+    optuna = pytest.importorskip("optuna")
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    one = {e["trial_id"]: e for e in in_process({**base_args, "scenario": "plain", "out": str(tmp_path / "d1")})
+           if e["kind"] == "Finished"}
+    journal = str(tmp_path / "journal.log")
+    proc = torchrun({**base_args, "scenario": "optuna", "out": str(tmp_path / "d2"), "journal": journal},
+                    tmp_path / "args.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):  # one job over both ranks, each training some of the trials
+        assert f"rank {rank} done: one job on 2 ranks, trials on ranks [0, 1]" in proc.stdout, proc.stdout
+    study = optuna.load_study(study_name="ranks", storage=JournalStorage(JournalFileBackend(journal)))
+    trials = sorted(study.get_trials(), key=lambda t: t.number)
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3  # asked once each, by rank 0
+    for t, want in zip(trials, "abc"):
+        got, ref = weights({"adapter_dir": t.user_attrs["adapter_dir"]}), weights(one[want])
+        for k in ref:
+            assert ((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() < 1e-4, (want, k)
+
+
 def test_a_killed_rank_stops_the_job_and_a_restart_resumes_from_checkpoints(base_args, tmp_path):
     args = {**base_args, "scenario": "plain", "out": str(tmp_path / "d2")}
     killed = torchrun({**args, "kill_at": 5}, tmp_path / "killed.json")  # rank 1 dies at its 5th step

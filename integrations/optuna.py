@@ -58,7 +58,8 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 from tqdm.auto import tqdm
 
 from lora_sweep import space as _space
-from lora_sweep.config import MAX_TRIAL_ID_CHARS, ConfigError, JobSpec, TrialConfig, bounded_name, check_against_model
+from lora_sweep.config import (MAX_TRIAL_ID_CHARS, ConfigError, JobSpec, TrialConfig, base_of, bounded_name,
+                               check_against_model, named_bases)
 from lora_sweep.costmodel import job_memory_model
 from lora_sweep.engine import Failed, Finished, PackedJob, Report
 from lora_sweep.planner import fits_running_job, memory_beside
@@ -182,7 +183,7 @@ class PackedLoRASampler(BaseSampler):
         if len(study.directions) != 1:
             raise ValueError(f"The study has {len(study.directions)} objectives, but PackedLoRASampler "
                              "reports one value (`metric`) per trial.")
-        bases = _resolve_bases(spec)
+        bases = named_bases(spec)
         if metric == "eval_loss" and any(b.eval_data is None for b in bases.values()):
             raise ValueError("The value of `metric` is 'eval_loss', but a JobSpec has no `eval_data`: "
                              "give it eval data or use metric='train_loss'.")
@@ -226,16 +227,6 @@ class PackedLoRASampler(BaseSampler):
         keeps its model for the sampler's lifetime, so a later `optimize` call does not load
         it again; with several, a base's job is released after `base_idle_s` without trials."""
         return list(self._jobs.values())
-
-    def _base_of(self, cfg: TrialConfig) -> str:
-        """The name of the base `cfg` trains on; an unknown name is the trial's `ConfigError`."""
-        if cfg.base_model is None:
-            return next(iter(self._bases))
-        if cfg.base_model not in self._bases:
-            raise ConfigError(f"Trial {cfg.trial_id!r}: the value of `base_model` is {cfg.base_model!r}, but must be "
-                              f"one of the sweep's bases {list(self._bases)}.", field="base_model",
-                              trial_id=cfg.trial_id)
-        return cfg.base_model
 
     def _default_space(self, max_rank: Optional[int] = None) -> dict[str, BaseDistribution]:
         """PLoRA's Table 1 space (ranks up to `max_rank`), and with several bases, a choice
@@ -693,7 +684,7 @@ class _JobFeeder:
                     continue
             trial, cfg = self.waiting
             try:  # a trial the model rejects is told FAIL here, before it reaches a job
-                base = self.sampler._base_of(cfg)
+                base = base_of(cfg, self.sampler._bases)
                 if (self.index, base) not in self.sampler._jobs and not self._room_for_base(base, cfg):
                     return  # its base loads when the other bases' trials have made room
                 job = self.job(base)
@@ -1077,17 +1068,6 @@ def _inside_optimize(study: Study):
         yield
     finally:
         local.in_optimize_loop = before
-
-
-def _resolve_bases(spec) -> dict[str, JobSpec]:
-    """The sweep's bases by name: one `JobSpec` is a single base named by its model."""
-    if isinstance(spec, JobSpec):
-        return {spec.model_name: spec}
-    if isinstance(spec, Mapping) and spec and all(isinstance(k, str) and k and isinstance(v, JobSpec)
-                                                  for k, v in spec.items()):
-        return dict(spec)
-    raise TypeError(f"The value of `spec` is {spec!r}, but must be a lora_sweep.JobSpec or a non-empty dict of "
-                    "base name -> JobSpec.")
 
 
 def _resolve_devices(devices, spec: JobSpec) -> list[str]:

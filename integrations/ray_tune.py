@@ -64,7 +64,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 # Only the light config module here; the pack server imports the engine (torch) when it starts.
-from ..config import ConfigError, JobSpec, TrialConfig, check_against_model
+from ..config import ConfigError, JobSpec, TrialConfig, base_of, check_against_model, named_bases
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class PackServer:
 
     def __init__(self, spec: Union[JobSpec, dict[str, JobSpec]], pack_id: str, max_adapters: int = 8,
                  lease_seconds: float = 60.0, checkpoint_every_report: bool = True, base_idle_s: float = 60.0):
-        self.bases = _bases(spec)
+        self.bases = named_bases(spec)
         self.pack_id = pack_id
         self.max_adapters = max_adapters
         self.lease_seconds = lease_seconds
@@ -200,7 +200,7 @@ class PackServer:
                 cfg.trial_id = f"{tune_id}-resumed{joins}"
             new_hyperparameters: list[str] = []
             try:
-                base = self._base_of(cfg)
+                base = base_of(cfg, self.bases)
                 if base not in self.jobs and not self._room_for_base(base, cfg):
                     return "full", ""
                 job = self._job(base)
@@ -396,16 +396,6 @@ class PackServer:
 
     # ------------------------------------------------------------------ bases (hold self._cond)
 
-    def _base_of(self, cfg: TrialConfig) -> str:
-        """The name of the base `cfg` trains on; an unknown name is its `ConfigError`."""
-        if cfg.base_model is None:
-            return next(iter(self.bases))
-        if cfg.base_model not in self.bases:
-            raise ConfigError(f"Trial {cfg.trial_id!r}: the value of `base_model` is {cfg.base_model!r}, but must be "
-                              f"one of the sweep's bases {list(self.bases)}.", field="base_model",
-                              trial_id=cfg.trial_id)
-        return cfg.base_model
-
     def _job(self, base: str):
         """`base`'s packed job, created (its model loaded) on first use."""
         from ..costmodel import job_memory_model
@@ -492,17 +482,6 @@ class PackServer:
         self._history.append({"time": time.time(), "event": event, "trial_id": tune_id,
                               "pack_id": job.pack_id if job is not None else None, "base": base,
                               "active": len(self._in_job(base)), **details})
-
-
-def _bases(spec) -> dict[str, JobSpec]:
-    """The sweep's bases by name: one `JobSpec` is a single base named by its model."""
-    if isinstance(spec, JobSpec):
-        return {spec.model_name: spec}
-    if isinstance(spec, dict) and spec and all(isinstance(k, str) and k and isinstance(v, JobSpec)
-                                               for k, v in spec.items()):
-        return dict(spec)
-    raise TypeError(f"The value of `spec` is {spec!r}, but must be a lora_sweep.JobSpec or a non-empty dict of "
-                    "base name -> JobSpec.")
 
 
 def _empty_cuda_cache() -> None:
@@ -820,7 +799,7 @@ class PackedExecutor:
                              f"({poll_seconds}) must satisfy `lease_seconds > poll_seconds > 0`.")
         if not ray.is_initialized():
             ray.init()
-        self.bases = {name: _portable(base) for name, base in _bases(spec).items()}
+        self.bases = {name: _portable(base) for name, base in named_bases(spec).items()}
         self.spec = next(iter(self.bases.values()))  # the first base: a trial's default
         self.name = name or f"lora_sweep-{uuid.uuid4().hex[:8]}"
         resources = dict(resources_per_server or _default_server_resources())

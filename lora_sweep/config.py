@@ -380,6 +380,29 @@ class JobSpec:
         return getattr(self.base_model, "__name__", type(self.base_model).__name__)
 
 
+def named_bases(spec: Union[JobSpec, Mapping[str, JobSpec]]) -> dict[str, JobSpec]:
+    """A sweep's bases by name, as the integrations take them: one `JobSpec` is a single base
+    named by its model (`JobSpec.model_name`); a mapping names each. A trial picks one with
+    `TrialConfig.base_model` (the first when it names none)."""
+    if isinstance(spec, JobSpec):
+        return {spec.model_name: spec}
+    if isinstance(spec, Mapping) and spec and all(isinstance(k, str) and k and isinstance(v, JobSpec)
+                                                  for k, v in spec.items()):
+        return dict(spec)
+    raise TypeError(f"The value of `spec` is {spec!r}, but must be a lora_sweep.JobSpec or a non-empty dict of "
+                    "base name -> JobSpec.")
+
+
+def base_of(cfg: TrialConfig, bases: Mapping[str, JobSpec]) -> str:
+    """The name of the base `cfg` trains on among `bases`; a name not among them is the
+    trial's `ConfigError`."""
+    if cfg.base_model is None:
+        return next(iter(bases))
+    if cfg.base_model not in bases:
+        raise _fail(cfg.trial_id, "base_model", cfg.base_model, f"None or one of the sweep's bases {list(bases)}")
+    return cfg.base_model
+
+
 def check_against_model(cfg: TrialConfig, spec: JobSpec, module_shapes: Mapping[str, tuple[int, int]]) -> None:
     """Checks that need the model. `module_shapes` maps each adaptable module suffix to the
     smallest (in_features, out_features) seen under that name."""

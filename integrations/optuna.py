@@ -62,7 +62,7 @@ from lora_sweep.config import (MAX_TRIAL_ID_CHARS, ConfigError, JobSpec, TrialCo
                                check_against_model, named_bases)
 from lora_sweep.costmodel import job_memory_model
 from lora_sweep.engine import Failed, Finished, PackedJob, Report
-from lora_sweep.planner import fits_running_job, memory_beside
+from lora_sweep.planner import fits_running_job, memory_beside, new_job_fits
 
 __all__ = ["PackedLoRASampler"]
 
@@ -711,15 +711,12 @@ class _JobFeeder:
         """Whether `base`'s job, with `cfg` in it, fits beside the device's other jobs, after
         releasing the jobs of other bases that have no trials. Without memory models (a CPU,
         a model factory) every base loads."""
-        spec = dataclasses.replace(self.sampler._bases[base], device=self.sampler._devices[self.index])
-        model = job_memory_model(spec)
-        for attempt in range(2):
-            beside = self._beside(base)
-            if beside is None or fits_running_job([], cfg, model, max_adapters=1, beside_bytes=beside):
-                return True
-            if attempt == 0:  # make room: idle jobs of other bases go now
-                self._release_idle_jobs(now=math.inf)
-        return False
+        model = job_memory_model(dataclasses.replace(self.sampler._bases[base],
+                                                     device=self.sampler._devices[self.index]))
+        if new_job_fits(cfg, model, self._beside(base)):
+            return True
+        self._release_idle_jobs(now=math.inf)  # make room: idle jobs of other bases go now
+        return new_job_fits(cfg, model, self._beside(base))
 
     def _trial_id(self, trial: Trial) -> str:
         return _engine_trial_id(self.sweep.study.study_name, trial.number)

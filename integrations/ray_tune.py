@@ -420,17 +420,14 @@ class PackServer:
         """Whether `base`'s job, with `cfg` in it, fits beside the other bases' jobs, after
         releasing those without trials. Without memory models every base loads."""
         from ..costmodel import job_memory_model
-        from ..planner import fits_running_job
+        from ..planner import new_job_fits
 
         first = next(iter(self.jobs.values()), None)
         model = job_memory_model(self.bases[base], first.device if first is not None else None)
-        for attempt in range(2):
-            beside = self._beside(base)
-            if beside is None or fits_running_job([], cfg, model, max_adapters=1, beside_bytes=beside):
-                return True
-            if attempt == 0:  # make room: idle jobs of other bases go now
-                self._release_idle_jobs(now=math.inf)
-        return False
+        if new_job_fits(cfg, model, self._beside(base)):
+            return True
+        self._release_idle_jobs(now=math.inf)  # make room: idle jobs of other bases go now
+        return new_job_fits(cfg, model, self._beside(base))
 
     def _release_idle_jobs(self, now: Optional[float] = None) -> None:
         """Drop the job (and the model's memory) of a base without trials for `base_idle_s`

@@ -756,6 +756,14 @@ def fits_running_job(
     return bool(admit(running_trials, [trial], memory_model, max_adapters=max_adapters))
 
 
+def new_job_fits(trial: TrialConfig, memory_model: Optional[CostModel], beside_bytes: Optional[float]) -> bool:
+    """Whether a job of a base not loaded on a device yet, holding `trial`, fits beside what the
+    device's other jobs hold (`memory_beside`; None: unknown, then it loads, as on a CPU).
+    Raises `ConfigError` if `trial` does not fit even alone."""
+    return beside_bytes is None or fits_running_job([], trial, memory_model, max_adapters=1,
+                                                    beside_bytes=beside_bytes)
+
+
 def memory_beside(jobs: Sequence[tuple[Optional[CostModel], Sequence[TrialConfig]]]) -> Optional[float]:
     """Bytes that `jobs` (each a memory model and its running trials) hold on one device,
     for `fits_running_job`'s `beside_bytes`; None if one of them has no memory model (then

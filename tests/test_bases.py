@@ -94,7 +94,7 @@ def test_an_optuna_sweep_over_two_bases_and_two_lengths(tiny_llama_dir, char_tok
 
 def test_a_base_is_admitted_within_what_the_other_bases_leave_of_the_gpu():
     from lora_sweep.costmodel import GB, CostModel
-    from lora_sweep.planner import fits_running_job, memory_beside
+    from lora_sweep.planner import fits_running_job, memory_beside, new_job_fits
 
     small = CostModel.from_model("llama-3.2-1b", gpu="h100-sxm", max_seq_len=1024)
     large = CostModel.from_model("qwen2.5-7b", gpu="h100-sxm", max_seq_len=1024)
@@ -102,6 +102,7 @@ def test_a_base_is_admitted_within_what_the_other_bases_leave_of_the_gpu():
     room = small.capacity_bytes - small.memory_per_gpu([trial])
     assert fits_running_job([], trial, small, max_adapters=4, beside_bytes=room - GB)
     assert not fits_running_job([], trial, small, max_adapters=4, beside_bytes=room + GB)
+    assert not new_job_fits(trial, small, room + GB) and new_job_fits(trial, small, None)  # None: nothing known
     held = memory_beside([(large, [trial, trial]), (small, [])])
     assert held == large.memory_per_gpu([trial, trial]) + small.memory_per_gpu([])
     assert memory_beside([(large, [trial]), (None, [trial])]) is None  # a job without a memory model

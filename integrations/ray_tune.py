@@ -711,7 +711,8 @@ class PackedExecutor:
     Every scheduler works packed, Population Based Training included: an exploited trial
     continues from its donor's adapter and optimizer state with the mutated learning rate,
     weight decay, schedule, alpha or dropout from that step on; mutating `rank`, `batch_size`,
-    `gradient_accumulation_steps` or `target_modules` fails that trial with a message saying so.
+    `gradient_accumulation_steps`, `target_modules`, `max_seq_len` or `base_model` fails that
+    trial with a message saying so.
 
     `run` calls `tune.run` with the right settings. With `tune.run` or `tune.Tuner` called
     directly, pass `executor.callback` (it frees a stopped trial's slot at once; without it

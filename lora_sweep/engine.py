@@ -168,8 +168,9 @@ def changed_fields(saved: dict, cfg: TrialConfig) -> list[str]:
 
 
 # What a trial's state fixes besides its values: the adapter's shapes (rank, the layers it
-# adapts) and what one step consumes (batch size, accumulation window).
-FIXED_BY_STATE = ("rank", "target_modules", "batch_size", "gradient_accumulation_steps")
+# adapts), what one step consumes (batch size, accumulation window), the samples its data
+# cursor points into (their length) and the base its weights were trained on.
+FIXED_BY_STATE = ("rank", "target_modules", "batch_size", "gradient_accumulation_steps", "max_seq_len", "base_model")
 
 
 def with_new_hyperparameters(state: dict, cfg: TrialConfig) -> dict:
@@ -184,9 +185,9 @@ def with_new_hyperparameters(state: dict, cfg: TrialConfig) -> dict:
     """
     saved, wanted = state["config"], cfg.to_dict()
     for name in FIXED_BY_STATE:
-        if saved[name] != wanted[name]:
+        if saved.get(name) != wanted[name]:  # a state saved before a field existed has its default
             raise ConfigError(f"{'Trial %r: ' % cfg.trial_id if cfg.trial_id else ''}the state to continue from "
-                              f"has `{name}` = {saved[name]!r}, but the new config has {wanted[name]!r}; a trial "
+                              f"has `{name}` = {saved.get(name)!r}, but the new config has {wanted[name]!r}; a trial "
                               f"continues with new hyperparameters only if {', '.join(FIXED_BY_STATE)} stay the "
                               "same: change those in a new trial.", field=name, trial_id=cfg.trial_id)
     return {**state, "config": wanted}

@@ -57,6 +57,7 @@ from optuna.study import MaxTrialsCallback, Study, StudyDirection
 from optuna.trial import FrozenTrial, Trial, TrialState
 from tqdm.auto import tqdm
 
+from lora_sweep import distributed
 from lora_sweep import space as _space
 from lora_sweep.config import (MAX_TRIAL_ID_CHARS, ConfigError, JobSpec, TrialConfig, base_of, bounded_name,
                                check_against_model, named_bases)
@@ -76,7 +77,6 @@ _WORKER = "lora_sweep:worker"  # trial system attr: id of the worker running it
 _HEARTBEAT = "lora_sweep:heartbeat:"  # study system attr prefix: + worker id -> last time.time() it was alive
 _STALE_AFTER_BEATS = 3  # a worker silent for this many heartbeat intervals is dead
 _ORPHAN_AFTER_S = 10.0  # an unclaimed trial this old was created by a worker that died at once
-_CONTINUE, _STOP = "continue", "stop"  # rank 0's word to the other ranks of a d-rank job before each run
 
 
 class PackedLoRASampler(BaseSampler):
@@ -315,13 +315,13 @@ class PackedLoRASampler(BaseSampler):
         _warn_if_pruner_waits(self._study, self._max_concurrent)
         ranks = self._ranks()
         if ranks is not None and ranks.rank != 0:  # rank 0 runs the sweep; this rank trains its share
-            self._follow_rank_zero()
+            distributed.follow(self._job(0, next(iter(self._bases))))
             return
         space = _resolve_search_space(objective, self._trial_defaults) if objective is not None else None
         sweep = _Sweep(self, space, n_trials, timeout, callbacks, show_progress_bar)
         self._run(sweep, space)
         if ranks is not None:
-            ranks.all_gather(_STOP)  # the other ranks' `_follow_rank_zero` ends (after an error: their next collective)
+            ranks.end_runs()  # the other ranks' `follow` returns (after an error: their next collective fails)
 
     def _run(self, sweep: _Sweep, space) -> None:
         with sweep.started():
@@ -348,14 +348,6 @@ class PackedLoRASampler(BaseSampler):
             raise ValueError("Under torchrun the sweep is one job over the ranks: give `PackedLoRASampler` one base "
                              "and no `devices`.")
         return self._job(0, next(iter(self._bases))).ranks
-
-    def _follow_rank_zero(self) -> None:
-        """A rank other than 0 of a d-rank job: train its share of every run rank 0 starts
-        (rank 0 alone asks and tells the study; events are rank 0's), until rank 0's sweep ends."""
-        job = self._job(0, next(iter(self._bases)))
-        while job.ranks.all_gather(None)[0] == _CONTINUE:
-            for _ in job.run():
-                pass
 
     def _job(self, index: int, base: str) -> PackedJob:
         """The packed job of `base` on device `index`, created (the base model loaded) on first use."""
@@ -622,7 +614,7 @@ class _JobFeeder:
         if base not in self.runs:
             job.progress = self.sweep.show_progress_bar  # a bar of this job's steps
             if job.ranks is not None:  # the other ranks start this run with rank 0
-                job.ranks.all_gather(_CONTINUE)
+                job.ranks.start_run()
             self.runs[base] = job.run()
         try:
             event = next(self.runs[base])

@@ -58,6 +58,7 @@ from typing import Any, Callable, Optional, Union
 try:
     import ray
     from ray import tune
+    from ray.util.placement_group import placement_group, remove_placement_group
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "lora_sweep.integrations.ray_tune needs Ray Tune: pip install lora-sweep[ray]"
@@ -144,11 +145,17 @@ class PackServer:
             Send the current adapter with every report (else only with the final one).
         base_idle_s:
             With several bases: seconds a base's job keeps its model without trials.
+        ranks:
+            ``(address, d)``: the server is rank 0 of a job over d ranks that meet at
+            ``address`` (the others are `_RankFollower` actors); None: one device.
     """
 
     def __init__(self, spec: Union[JobSpec, dict[str, JobSpec]], pack_id: str, max_adapters: int = 8,
-                 lease_seconds: float = 60.0, checkpoint_every_report: bool = True, base_idle_s: float = 60.0):
+                 lease_seconds: float = 60.0, checkpoint_every_report: bool = True, base_idle_s: float = 60.0,
+                 ranks: Optional[tuple[str, int]] = None):
         self.bases = named_bases(spec)
+        if ranks is not None:
+            _join_ranks(next(iter(self.bases.values())), ranks[0], 0, ranks[1])
         self.pack_id = pack_id
         self.max_adapters = max_adapters
         self.lease_seconds = lease_seconds
@@ -276,7 +283,10 @@ class PackServer:
                     "model_loads": sum(self.model_loads.values()), "base_loads": dict(self.model_loads),
                     "packs": {base: job.pack_id for base, job in self.jobs.items()},
                     "active": len(self._in_job()), "max_adapters": self.max_adapters,
-                    "job_steps": sum(len(job.step_stats) for job in self.jobs.values())}
+                    "job_steps": sum(len(job.step_stats) for job in self.jobs.values()),
+                    "ranks": first.ranks.size if first is not None and first.ranks is not None else 1,
+                    "trial_ranks": sorted(set(first.ranks.owners.values())) if first is not None
+                    and first.ranks is not None else [0]}
 
     def load(self) -> tuple[int, int]:
         """(trials in the jobs, most trials allowed in one)."""
@@ -319,6 +329,8 @@ class PackServer:
         job's trials, not the server."""
         job = self.jobs[base]
         if base not in self._runs:
+            if job.ranks is not None:  # the other ranks start this run with rank 0
+                job.ranks.start_run()
             self._runs[base] = job.run()
         try:
             event = next(self._runs[base])
@@ -479,6 +491,36 @@ class PackServer:
         self._history.append({"time": time.time(), "event": event, "trial_id": tune_id,
                               "pack_id": job.pack_id if job is not None else None, "base": base,
                               "active": len(self._in_job(base)), **details})
+
+
+class _RankFollower:
+    """Rank r > 0 of a pack server's job over d ranks (`PackedExecutor(gpus_per_server=d)`):
+    it holds its shard of the base and trains the trials given to it, running the job each
+    time the server (rank 0) starts a run. It talks to nobody else."""
+
+    def follow(self, spec: JobSpec, address: str, rank: int, world_size: int) -> None:
+        from ..distributed import follow
+        from ..engine import PackedJob
+
+        _join_ranks(spec, address, rank, world_size)
+        follow(PackedJob(spec, progress=False))
+
+
+def _join_ranks(spec: JobSpec, address: str, rank: int, world_size: int) -> None:
+    """This actor as `rank` of a server's d ranks, on its one device (Ray gives each rank one GPU)."""
+    import torch
+
+    from ..distributed import join
+
+    device = "cuda" if spec.device == "auto" and torch.cuda.is_available() else spec.device
+    join(address, rank, world_size, torch.device("cpu" if device == "auto" else device))
+
+
+@ray.remote(num_cpus=0)
+def _free_address() -> str:
+    from ..distributed import free_address
+
+    return free_address()
 
 
 def _empty_cuda_cache() -> None:
@@ -749,7 +791,7 @@ class PackedExecutor:
             Pack servers to start; None: the cluster's GPUs divided by the GPUs per server,
             or 1 without GPUs.
         resources_per_server:
-            Ray resources of one pack server, e.g. ``{"CPU": 4, "GPU": 1}`` or a custom
+            Ray resources of one pack server (of each of its ranks), e.g. ``{"CPU": 4, "GPU": 1}`` or a custom
             resource that pins servers to nodes; None: ``{"CPU": 1, "GPU": 1}`` on a GPU
             cluster, ``{"CPU": 1}`` otherwise.
         max_adapters_per_server:
@@ -772,6 +814,13 @@ class PackedExecutor:
         base_idle_s:
             With several bases: seconds a pack server keeps a base's job (and its model)
             without trials before it releases it (sooner when another base needs the memory).
+        gpus_per_server:
+            GPUs of one node that each pack server's job spans (one rank each, with
+            `resources_per_server` per rank, in a Ray placement group): the base is sharded
+            over them and each trial trains on one of them (`lora_sweep.distributed`). With
+            more than one, reports carry no adapter (`checkpoint_every_report` is off: only
+            the rank that trains a trial holds it) and the final report's does; a paused
+            trial then resumes by retraining from step 0. One base only.
     """
 
     def __init__(
@@ -788,6 +837,7 @@ class PackedExecutor:
         name: Optional[str] = None,
         startup_timeout_s: Optional[float] = 600.0,
         base_idle_s: float = 60.0,
+        gpus_per_server: int = 1,
     ):
         if not isinstance(max_adapters_per_server, int) or max_adapters_per_server < 1:
             raise ValueError(f"The value of `max_adapters_per_server` is {max_adapters_per_server!r}, "
@@ -795,29 +845,48 @@ class PackedExecutor:
         if not lease_seconds > poll_seconds > 0:
             raise ValueError(f"The values of `lease_seconds` ({lease_seconds}) and `poll_seconds` "
                              f"({poll_seconds}) must satisfy `lease_seconds > poll_seconds > 0`.")
+        if not isinstance(gpus_per_server, int) or gpus_per_server < 1:
+            raise ValueError(f"The value of `gpus_per_server` is {gpus_per_server!r}, but must be an integer >= 1.")
         if not ray.is_initialized():
             ray.init()
         self.bases = {name: _portable(base) for name, base in named_bases(spec).items()}
+        if gpus_per_server > 1 and len(self.bases) > 1:
+            raise ValueError(f"`gpus_per_server={gpus_per_server}` spans one base over the GPUs; give one base.")
         self.spec = next(iter(self.bases.values()))  # the first base: a trial's default
         self.name = name or f"lora_sweep-{uuid.uuid4().hex[:8]}"
         resources = dict(resources_per_server or _default_server_resources())
         if num_servers is None:
-            num_servers = _default_num_servers(resources)
+            num_servers = _default_num_servers(resources, gpus_per_server)
         if not isinstance(num_servers, int) or num_servers < 1:
             raise ValueError(f"The value of `num_servers` is {num_servers!r}, but must be an integer >= 1.")
         self.max_adapters_per_server = max_adapters_per_server
 
         # One actor per pack server; SPREAD puts them on different nodes where resources allow.
+        # A server on d GPUs is d actors in a placement group on one node: the server is rank 0
+        # of their job, the others follow it; only rank 0 has adapters to send with reports.
         self.server_names = tuple(f"{self.name}-{i}" for i in range(num_servers))
-        self.servers = [
-            ray.remote(PackServer).options(
-                name=server_name, namespace=NAMESPACE, max_concurrency=2 * max_adapters_per_server + 16,
-                scheduling_strategy="SPREAD", **_actor_resources(resources),
-            ).remote(self.bases, pack_id=server_name, max_adapters=max_adapters_per_server,
-                     lease_seconds=lease_seconds, checkpoint_every_report=checkpoint_every_report,
-                     base_idle_s=base_idle_s)
-            for server_name in self.server_names
-        ]
+        self.servers, self._followers, self._groups = [], [], []
+        settings = dict(max_adapters=max_adapters_per_server, lease_seconds=lease_seconds,
+                        checkpoint_every_report=checkpoint_every_report and gpus_per_server == 1,
+                        base_idle_s=base_idle_s)
+        for server_name in self.server_names:
+            options = dict(name=server_name, namespace=NAMESPACE, max_concurrency=2 * max_adapters_per_server + 16,
+                           scheduling_strategy="SPREAD", **_actor_resources(resources))
+            if gpus_per_server == 1:
+                self.servers.append(ray.remote(PackServer).options(**options).remote(
+                    self.bases, pack_id=server_name, **settings))
+                continue
+            group = placement_group([_bundle(resources)] * gpus_per_server, strategy="STRICT_PACK")
+            self._groups.append(group)
+            address = ray.get(_free_address.options(scheduling_strategy=_in_bundle(group, 0)).remote())
+            for rank in range(1, gpus_per_server):
+                follower = ray.remote(_RankFollower).options(scheduling_strategy=_in_bundle(group, rank),
+                                                             **_actor_resources(resources)).remote()
+                follower.follow.remote(self.spec, address, rank, gpus_per_server)
+                self._followers.append(follower)
+            options["scheduling_strategy"] = _in_bundle(group, 0)
+            self.servers.append(ray.remote(PackServer).options(**options).remote(
+                self.bases, pack_id=server_name, ranks=(address, gpus_per_server), **settings))
         try:
             ray.get([s.stats.remote() for s in self.servers], timeout=startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -867,10 +936,12 @@ class PackedExecutor:
                       key=lambda e: e["time"])
 
     def shutdown(self) -> None:
-        """Stop the pack servers and free their GPUs."""
-        for server in self.servers:
-            ray.kill(server)
-        self.servers = []
+        """Stop the pack servers (and their other ranks) and free their GPUs."""
+        for actor in self.servers + self._followers:
+            ray.kill(actor)
+        for group in self._groups:
+            remove_placement_group(group)
+        self.servers, self._followers, self._groups = [], [], []
 
     def __enter__(self) -> "PackedExecutor":
         return self
@@ -898,11 +969,22 @@ def _default_server_resources() -> dict[str, float]:
     return {"CPU": 1, "GPU": 1} if ray.cluster_resources().get("GPU", 0) >= 1 else {"CPU": 1}
 
 
-def _default_num_servers(resources: dict[str, float]) -> int:
-    gpus_per_server = resources.get("GPU", 0)
-    if not gpus_per_server:
+def _default_num_servers(resources: dict[str, float], ranks: int = 1) -> int:
+    gpus_per_rank = resources.get("GPU", 0)
+    if not gpus_per_rank:
         return 1
-    return max(1, int(ray.cluster_resources().get("GPU", 0) // gpus_per_server))
+    return max(1, int(ray.cluster_resources().get("GPU", 0) // (gpus_per_rank * ranks)))
+
+
+def _bundle(resources: dict[str, float]) -> dict[str, float]:
+    """One rank's placement-group bundle: `resources` in Ray's bundle keys."""
+    return {{"cpu": "CPU", "gpu": "GPU"}.get(k, k): v for k, v in resources.items() if v}
+
+
+def _in_bundle(group, index: int):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
 
 
 def _actor_resources(resources: dict[str, float]) -> dict:

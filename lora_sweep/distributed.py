@@ -35,10 +35,11 @@ than one GPU or than the host's memory can start; a base given as a factory is b
 every rank, then sharded.
 
 `lora-sweep run` starts a job planned on d GPUs this way (`cli._train_on_ranks`), and so does a
-`PackedLoRASampler.optimize` script under torchrun (rank 0 asks and tells the study, the other
-ranks follow each run of the job). Not built yet: device groups (`PackedLoRASampler(devices=[[0,
-1], [2, 3]])`), Ray's `PackedExecutor(gpus_per_server=...)`, tensor parallelism, and the cost
-model for d > 1.
+`PackedLoRASampler.optimize` script under torchrun; Ray's `PackedExecutor(gpus_per_server=d)`
+makes the d ranks of each pack server actors of one placement group that meet through `join`.
+A tuner drives rank 0; the other ranks `follow` each run of the job. Not built yet: device
+groups (`PackedLoRASampler(devices=[[0, 1], [2, 3]])`), tensor parallelism, and the cost model
+for d > 1.
 Out-of-memory retries are not agreed between ranks: one rank's retry or eviction breaks the
 lockstep, and the job stops with a `PeerFailure` (at the latest on the timeout). CUDA graphs are
 off in a d-rank job.
@@ -90,6 +91,39 @@ def attach(device: torch.device) -> Optional["Ranks"]:
     if dist.get_world_size() == 1:
         return None
     return Ranks()
+
+
+def join(address: str, rank: int, world_size: int, device: torch.device) -> None:
+    """Make this process rank `rank` of a group of `world_size` that meets at `address`
+    (``host:port``, from `free_address` on rank 0's host): for ranks that no launcher started,
+    such as Ray actors. `attach` then finds the group."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{address}",
+                            rank=rank, world_size=world_size, timeout=TIMEOUT)
+    atexit.register(_destroy_group)
+
+
+def free_address() -> str:
+    """``host:port`` of this host with a port free now, where `join` can meet."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return f"{socket.gethostbyname(socket.gethostname())}:{port}"
+
+
+def follow(job) -> None:
+    """A rank other than 0 of `job` when rank 0 drives it from a tuner: run the job with rank
+    0 each time it starts a run (`Ranks.start_run`), until rank 0 says there is none left
+    (`Ranks.end_runs`). Rank 0's events are the job's; this rank's `run()` yields nothing."""
+    while job.ranks.all_gather(None)[0] == _CONTINUE:
+        for _ in job.run():
+            pass
+
+
+_CONTINUE, _STOP = "continue", "stop"  # rank 0's word to the others before each run of a driven job
 
 
 def _destroy_group() -> None:
@@ -227,6 +261,14 @@ class Ranks:
         out = [None] * self.size
         self._collective(dist.all_gather_object, out, value, self.group)
         return out
+
+    def start_run(self) -> None:
+        """Rank 0, before each `run()` of a job it drives: the ranks in `follow` run it too."""
+        self.all_gather(_CONTINUE)
+
+    def end_runs(self) -> None:
+        """Rank 0, when it will start no more runs: `follow` returns on the other ranks."""
+        self.all_gather(_STOP)
 
     def max(self, value: int) -> int:
         """The largest of every rank's `value`."""

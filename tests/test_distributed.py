@@ -166,3 +166,38 @@ def test_a_sharded_base_is_read_from_its_files_as_from_pretrained_reads_it(model
             assert torch.equal(dict(model.named_buffers())[name], want), name
     finally:
         dist.destroy_process_group()
+
+
+def test_a_ray_pack_server_on_two_ranks_trains_what_one_process_trains(base_args, tmp_path):
+    """`PackedExecutor(gpus_per_server=2)`: each pack server is a job over two ranks (here two
+    CPU actors in a placement group, gloo): Tune's trials spread over both ranks, and each
+    trial's final adapter is the one a job on one process gives the same config."""
+    ray = pytest.importorskip("ray")
+    from distributed_worker import make_spec, three_trials
+    from test_ray_tune import points
+
+    from lora_sweep.integrations.ray_tune import PackedExecutor
+
+    one = {e["trial_id"]: e for e in in_process({**base_args, "scenario": "plain", "out": str(tmp_path / "d1")})
+           if e["kind"] == "Finished"}
+    configs = {t.seed: (t.trial_id, {k: v for k, v in t.to_dict().items() if k != "trial_id"})
+               for t in three_trials()}
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    try:
+        with PackedExecutor(make_spec({**base_args, "out": str(tmp_path / "d2")}), gpus_per_server=2,
+                            resources_per_server={"CPU": 1}, max_adapters_per_server=3, poll_seconds=0.5,
+                            proxy_resources={"CPU": 0.01}) as executor:
+            analysis = executor.run(**points([c for _, c in configs.values()]), storage_path=str(tmp_path / "tune"),
+                                    verbose=0)
+            (stats,) = executor.stats()
+    finally:
+        ray.shutdown()
+    assert all(t.status == "TERMINATED" for t in analysis.trials) and len(analysis.trials) == 3
+    assert stats["ranks"] == 2 and stats["trial_ranks"] == [0, 1]  # one job over both ranks, trials on each
+    for t in analysis.trials:
+        want = one[configs[t.config["seed"]][0]]
+        with t.checkpoint.as_directory() as path:
+            got = load_file(os.path.join(path, "adapter_model.safetensors"))
+        ref = weights(want)
+        for k in ref:
+            assert ((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() < 1e-4, (t.trial_id, k)

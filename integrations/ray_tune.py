@@ -791,9 +791,9 @@ class PackedExecutor:
             Pack servers to start; None: the cluster's GPUs divided by the GPUs per server,
             or 1 without GPUs.
         resources_per_server:
-            Ray resources of one pack server (of each of its ranks), e.g. ``{"CPU": 4, "GPU": 1}`` or a custom
-            resource that pins servers to nodes; None: ``{"CPU": 1, "GPU": 1}`` on a GPU
-            cluster, ``{"CPU": 1}`` otherwise.
+            Ray resources of one pack server (of each of its ranks), e.g.
+            ``{"CPU": 4, "GPU": 1}`` or a custom resource that pins servers to nodes; None:
+            ``{"CPU": 1, "GPU": 1}`` on a GPU cluster, ``{"CPU": 1}`` otherwise.
         max_adapters_per_server:
             Most trials packed in one job; the memory model may admit fewer
             (`lora_sweep.planner.fits_running_job`).
@@ -878,6 +878,13 @@ class PackedExecutor:
                 continue
             group = placement_group([_bundle(resources)] * gpus_per_server, strategy="STRICT_PACK")
             self._groups.append(group)
+            try:
+                ray.get(group.ready(), timeout=startup_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                self.shutdown()
+                raise RuntimeError(f"{gpus_per_server} x {resources} on one node (`gpus_per_server` ranks of "
+                                   f"`resources_per_server`) were not free within {startup_timeout_s} s; the "
+                                   f"cluster has {ray.cluster_resources()}.") from None
             address = ray.get(_free_address.options(scheduling_strategy=_in_bundle(group, 0)).remote())
             for rank in range(1, gpus_per_server):
                 follower = ray.remote(_RankFollower).options(scheduling_strategy=_in_bundle(group, rank),

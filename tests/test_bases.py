@@ -142,3 +142,27 @@ def test_a_ray_tune_sweep_over_two_bases_and_two_lengths(tiny_llama_dir, char_to
         reference = alone(dirs[cfg.base_model], toy_data, tmp_path, cfg, cfg.max_seq_len, f"alone-{t.trial_id}")
         for key, value in packed.items():
             assert rel(value, reference[key]) < 1e-5, (t.trial_id, key)
+
+
+def test_a_base_without_trials_for_base_idle_s_is_released(tiny_llama_dir, char_tokenizer, toy_data, tmp_path):
+    """With `base_idle_s=0` each base's job (and its model) goes as soon as its last trial has
+    left: the sweep ends holding none. A single base's job stays for the next `optimize`."""
+    from lora_sweep.integrations.optuna import PackedLoRASampler
+
+    large_dir = save_tiny_model("llama", char_tokenizer, tmp_path / "large", seed=5, hidden_size=64,
+                                intermediate_size=128, num_hidden_layers=3, tie_word_embeddings=False)
+    bases = {name: make_spec(d, toy_data, tmp_path / "runs", max_seq_len=32, eval_every=2)
+             for name, d in {"small": tiny_llama_dir, "large": large_dir}.items()}
+    defaults = {"max_steps": 2, "rank": 4, "dropout": 0.0}
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", pruner=optuna.pruners.NopPruner())
+    for base in bases:
+        study.enqueue_trial({"base_model": base})
+    sampler = PackedLoRASampler(study, bases, metric="train_loss", trial_defaults=defaults, base_idle_s=0.0)
+    sampler.optimize(n_trials=2, show_progress_bar=False)
+    assert {t.user_attrs["base_model"] for t in study.get_trials()} == {"small", "large"}
+    assert sampler.jobs == []
+    single = PackedLoRASampler(optuna.create_study(storage=f"sqlite:///{tmp_path / 'single.db'}",
+                                                   pruner=optuna.pruners.NopPruner()),
+                               bases["small"], metric="train_loss", trial_defaults=defaults, base_idle_s=0.0)
+    single.optimize(n_trials=1, show_progress_bar=False)
+    assert len(single.jobs) == 1

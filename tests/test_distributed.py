@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,7 @@ def test_a_killed_rank_stops_the_job_and_a_restart_resumes_from_checkpoints(base
     assert "resume its trials from their checkpoints" in log
     assert not (tmp_path / "d2" / "result.json").exists()
     assert sorted(os.listdir(tmp_path / "d2" / "checkpoints")) == ["a.pt", "b.pt", "c.pt"]
+    shutil.copytree(tmp_path / "d2", tmp_path / "d1-resumed")  # the same checkpoints, for a job on one process
 
     resumed = torchrun(args, tmp_path / "resumed.json")  # the same command again
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -134,6 +136,11 @@ def test_a_killed_rank_stops_the_job_and_a_restart_resumes_from_checkpoints(base
     finished = [e for e in events if e["kind"] == "Finished"]
     assert sorted(e["trial_id"] for e in finished) == ["a", "b", "c"]
     assert_same_training(finished, [e for e in uninterrupted if e["kind"] == "Finished"])
+    # the checkpoints of the job on two ranks resume in a job on one process just as well
+    on_one = in_process({**args, "out": str(tmp_path / "d1-resumed")})
+    assert {t: min(e["step"] for e in on_one if e["trial_id"] == t) for t in ("a", "b", "c")} == first_report
+    assert_same_training([e for e in on_one if e["kind"] == "Finished"],
+                         [e for e in uninterrupted if e["kind"] == "Finished"])
 
 
 @pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen_dir"])

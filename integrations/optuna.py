@@ -650,8 +650,6 @@ class _JobFeeder:
             if now - since < self.sampler._base_idle_s or any(f.base == base for f in self.in_flight.values()):
                 continue
             del self.idle_since[base]
-            if base in self.runs:
-                self.runs.pop(base).close()
             job = self.sampler._jobs.pop((self.index, base), None)
             if job is not None:
                 job.release_locks()

@@ -140,14 +140,7 @@ def _plan(args: argparse.Namespace) -> int:
     if sweep.get("bases"):
         return _plan_bases(sweep, args)
     trials = sweep_trials(sweep)
-    if args.calibration:
-        cost_model = CostModel.load(args.calibration)
-    else:
-        cost_model = CostModel.from_model(
-            sweep["model"], sweep["gpu"], gpu_memory_gb=sweep["gpu_memory_gb"], max_seq_len=sweep["max_seq_len"],
-            dtype=sweep["dtype"], gradient_checkpointing=sweep["gradient_checkpointing"],
-            load_factor=sweep["load_factor"], **({"target_modules": sweep["target_modules"]}
-                                                 if sweep.get("target_modules") else {}))
+    cost_model = CostModel.load(args.calibration) if args.calibration else _cost_model(sweep)
     result = plan(None, trials, sweep["gpus"], cost_model=cost_model,
                   max_adapters_per_job=sweep.get("max_adapters_per_job"), objective=sweep["objective"])
 
@@ -162,21 +155,13 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_bases(sweep: dict, args: argparse.Namespace) -> int:
     """`plan` of a sweep over several base models (`bases`): one job per base's trials at most
     shares a GPU at a time; each job names its base."""
-    from .costmodel import CostModel
     from .planner import plan_bases
 
     if args.calibration:
         raise ValueError("A calibration holds one base model's cost model; a sweep with `bases` plans from each "
                          "base's config.")
     trials = sweep_trials_by_base(sweep)
-    bases = {}
-    for name, base in sweep["bases"].items():
-        settings = {k: base.get(k, sweep.get(k)) for k in ("max_seq_len", "dtype", "gradient_checkpointing")}
-        cost_model = CostModel.from_model(
-            base["model"], sweep["gpu"], gpu_memory_gb=sweep["gpu_memory_gb"], load_factor=sweep["load_factor"],
-            quantization=quantization_name(base.get("quantization")), **settings,
-            **({"target_modules": sweep["target_modules"]} if sweep.get("target_modules") else {}))
-        bases[name] = (cost_model, trials[name])
+    bases = {name: (_cost_model(_base_sweep(sweep, name)), trials[name]) for name in sweep["bases"]}
     result = plan_bases(bases, sweep["gpus"], max_adapters_per_job=sweep.get("max_adapters_per_job"),
                         objective=sweep["objective"])
     gpu = next(iter(bases.values()))[0].gpu
@@ -186,6 +171,25 @@ def _plan_bases(sweep: dict, args: argparse.Namespace) -> int:
         print(f"  {name}: {_model_name(sweep['bases'][name]['model'])}, {len(base_trials)} trials, max_seq_len "
               f"{cost_model.max_seq_len}, {cost_model.quantization or cost_model.dtype}")
     return _print_plan(result, sweep, args)
+
+
+def _cost_model(sweep: dict):
+    """The cost model `plan` predicts a sweep with (or one base's, from `_base_sweep`): its
+    model's shape on the sweep's `gpu`."""
+    from .costmodel import CostModel
+
+    return CostModel.from_model(
+        sweep["model"], sweep["gpu"], gpu_memory_gb=sweep["gpu_memory_gb"], max_seq_len=sweep["max_seq_len"],
+        dtype=sweep["dtype"], gradient_checkpointing=sweep["gradient_checkpointing"],
+        load_factor=sweep["load_factor"], quantization=quantization_name(sweep.get("quantization")),
+        **({"target_modules": sweep["target_modules"]} if sweep.get("target_modules") else {}))
+
+
+def _base_sweep(sweep: dict, base: str) -> dict:
+    """The sweep as one of its `bases` sees it: that entry's model and settings, the sweep's
+    where the entry sets none."""
+    entry = sweep["bases"][base]
+    return {**sweep, **{k: entry[k] for k in BASE_KEYS if k in entry}}
 
 
 def _print_plan(result, sweep: dict, args: argparse.Namespace) -> int:
@@ -470,8 +474,7 @@ def sweep_spec(sweep: dict, base: Optional[str] = None) -> JobSpec:
     from .costmodel import PRESETS
 
     if base is not None:
-        entry = sweep["bases"][base]
-        sweep = {**sweep, **{k: entry[k] for k in BASE_KEYS if k in entry}}
+        sweep = _base_sweep(sweep, base)
     model = sweep["model"]
     if not isinstance(model, str) or model in PRESETS:
         raise ValueError(f"The value of `model` is {model!r}: `plan` models it from its shape alone, but `run` "
@@ -489,16 +492,24 @@ def _train_job(spec, trials: list[TrialConfig], curves, results: dict, lock: Opt
     """Train one packed job to its end; its reports go to `curves`, its Finished events to `results`."""
     import contextlib
 
-    from .engine import Failed, Finished, PackedJob
+    from .engine import PackedJob
 
     job = PackedJob(spec, trials)
     for event in job.run():
         with lock or contextlib.nullcontext():
-            curves.add(event)
-            if isinstance(event, Finished):
-                results[event.trial_id] = event
-            elif isinstance(event, Failed):
-                print(f"  {event.trial_id} failed: {event.reason}")
+            _record(event, curves, results)
+
+
+def _record(event, curves, results: dict) -> None:
+    """A job's event in `run`'s results: every one on the loss curves, a Finished one in
+    `results`, a Failed one printed."""
+    from .engine import Failed, Finished
+
+    curves.add(event)
+    if isinstance(event, Finished):
+        results[event.trial_id] = event
+    elif isinstance(event, Failed):
+        print(f"  {event.trial_id} failed: {event.reason}")
 
 
 def _train_on_ranks(sweep_path: str, job, device: str, curves, results: dict, lock) -> None:
@@ -531,11 +542,7 @@ def _train_on_ranks(sweep_path: str, job, device: str, curves, results: dict, lo
                 fields = json.loads(line)
                 event = kinds[fields.pop("kind")](**fields)
                 with lock:
-                    curves.add(event)
-                    if isinstance(event, Finished):
-                        results[event.trial_id] = event
-                    elif isinstance(event, Failed):
-                        print(f"  {event.trial_id} failed: {event.reason}")
+                    _record(event, curves, results)
 
 
 def _train_ranks(args: argparse.Namespace) -> int:

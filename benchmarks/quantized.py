@@ -157,6 +157,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--targets", default=",".join(PROJECTIONS), help="the projections given adapters")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="the packed job recomputes base activations (with --no-peft: PEFT's side runs without)")
+    parser.add_argument("--memory-gib", type=float,
+                        help="cap this process's GPU memory (torch's allocator) at this many GiB, e.g. 79 for an "
+                             "H100 80GB's")
     parser.add_argument("--work-dir", default="/tmp/lora_sweep_quantized")
     parser.add_argument("--out", default="benchmarks/results/quantized.json")
     parser.add_argument("--dry", action="store_true", help="CPU, tiny shape, K=2, 2 steps (tests)")
@@ -170,6 +173,8 @@ def main(argv=None) -> dict:
 
     from benchmarks.sweep_gpu import ceilings, flops, synthetic_rows, tokenized
 
+    if args.memory_gib and device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(args.memory_gib * 2**30 / torch.cuda.mem_get_info()[1])
     started = time.perf_counter()
     model = build_quantized(args.model, args.quantization, device, dtype)
     build_s = time.perf_counter() - started
@@ -180,6 +185,7 @@ def main(argv=None) -> dict:
               "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": args.model,
               "quantization": args.quantization, "seq": args.seq, "rank": 16, "build_s": build_s,
               "targets": args.targets.split(","), "gradient_checkpointing": args.gradient_checkpointing,
+              "memory_cap_gib": args.memory_gib,
               "bf16_tflops": peak, "versions": {d: _version(d) for d in ("torch", "triton", "transformers", "peft",
                                                                         "bitsandbytes", "lora_sweep")},
               "runs": []}

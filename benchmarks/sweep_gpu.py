@@ -251,7 +251,8 @@ def peft_in_process_of_its_own(model_name, cfg, seq_len, rows_seed, out_dir) -> 
 # --------------------------------------------------------------------------- sections
 
 
-def throughput(models, seqs, adapter_counts, batches, peak, warmup, steps, log) -> list[dict]:
+def throughput(models, seqs, adapter_counts, batches, peak, warmup, steps, log,
+               rank_sets=("16", "mixed")) -> list[dict]:
     rows_out = []
     for name in models:
         model = build_model(name)
@@ -263,7 +264,7 @@ def throughput(models, seqs, adapter_counts, batches, peak, warmup, steps, log) 
                 solo = time_peft(model, solo_cfg, rows, seq, warmup, steps)
                 solo_tps = solo["tokens_per_step"] / solo["median_step_s"]
                 log(f"{name} seq {seq} batch {batch}: PEFT alone {solo_tps:,.0f} tok/s")
-                for ranks in ("16", "mixed"):
+                for ranks in rank_sets:
                     for n in adapter_counts:
                         if ranks == "mixed" and n < 4:
                             continue
@@ -463,11 +464,12 @@ def peft_colocated(model_name, configs, seq, probe_runs: list[dict], log) -> dic
             "peak_memory_gb": [r["peak_memory_gb"] for r in runs], "trial_s": [r["trial_s"] for r in runs]}
 
 
-def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True) -> dict:
+def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True, peft_alone=True) -> dict:
     """Predicted makespan of 120 Table-1 configs packed and one at a time, from cost models
     calibrated on this GPU, and a measured 16-config subset both ways. With `peft_processes`
     every PEFT run (probes and measured trials) is a process of its own, started cold, as a
-    sweep of separate fine-tunes runs; model building is left out of its time."""
+    sweep of separate fine-tunes runs; model building is left out of its time. Without
+    `peft_alone` the subset is not run one PEFT trial at a time (only co-located)."""
     from lora_sweep.costmodel import CostModel, calibrate, detect, profile_job
     from lora_sweep.planner import plan
 
@@ -560,7 +562,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     measured_packed = time.perf_counter() - t0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out_dir:
-        for cfg in subset:  # and each PEFT run saves its adapter, as a user's would
+        for cfg in subset if peft_alone else []:  # and each PEFT run saves its adapter, as a user's would
             if peft_processes:
                 peft_runs["trials"].append(peft_in_process_of_its_own(model_name, cfg, seq, 3,
                                                                       os.path.join(out_dir, cfg.trial_id)))
@@ -571,7 +573,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
                 peft_model.unload()
         torch.cuda.synchronize()
         peft_trials = [r["trial_s"] for r in peft_runs["trials"]]  # cold: each process's own time, not its start-up
-        measured_peft = sum(peft_trials) if peft_processes else time.perf_counter() - t0
+        measured_peft = (sum(peft_trials) if peft_processes else time.perf_counter() - t0) if peft_alone else None
     del model
     torch.cuda.empty_cache()
     colocated = peft_colocated(model_name, subset, seq, peft_runs["probes"], log) if peft_processes else None
@@ -584,9 +586,9 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
                                       "rest_s": measured_packed - construct_s
                                       - sum(st["seconds"] for st in measured_steps)},
               "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1,
-                                   "peft_16": predicted["peft_16"] / measured_peft - 1},
+                                   "peft_16": predicted["peft_16"] / measured_peft - 1 if measured_peft else None},
               "ratio": {"predicted_120": predicted["peft_120"] / predicted["packed_120"],
-                        "measured_16": measured_peft / measured_packed,
+                        "measured_16": measured_peft / measured_packed if measured_peft else None,
                         "measured_16_colocated": (colocated["wall_s"] / (measured_packed + build_s)
                                                   if colocated else None)},
               "packed_model_build_s": build_s,
@@ -597,8 +599,8 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
               "probe_steps": {"packed": stats, "peft": peft_stats}, "measured_steps": measured_steps,
               "peft_process_runs": peft_runs if peft_processes else None}
     log(f"16 configs: packed {measured_packed:.1f} s (predicted {predicted['packed_16']:.1f}), "
-        f"PEFT {measured_peft:.1f} s (predicted {predicted['peft_16']:.1f}), "
-        f"ratio {result['ratio']['measured_16']:.2f}x"
+        + (f"PEFT {measured_peft:.1f} s (predicted {predicted['peft_16']:.1f}), "
+           f"ratio {result['ratio']['measured_16']:.2f}x" if measured_peft else "")
         + (f"; co-located PEFT {colocated['wall_s']:.1f} s, ratio {result['ratio']['measured_16_colocated']:.2f}x"
            if colocated else ""))
     return result
@@ -758,6 +760,9 @@ def main():
     parser.add_argument("--peft-in-process", action="store_true",
                         help="makespan: run the PEFT trials one after another in this process (warm), not each "
                              "in a process of its own (cold, as separate fine-tunes)")
+    parser.add_argument("--no-peft-alone", action="store_true",
+                        help="makespan: leave out the 16 PEFT trials one at a time (co-located only)")
+    parser.add_argument("--ranks", default="16,mixed", help="throughput: adapter ranks, 16 and/or mixed")
     parser.add_argument("--plot-only", help="redraw the plot of a saved results JSON and exit")
     parser.add_argument("--merge", nargs="+", help="merge the results JSONs of several runs into --out and exit")
     parser.add_argument("--refit", nargs="+", help="refit PEFT's prediction in saved makespan runs and exit (CPU)")
@@ -805,7 +810,8 @@ def main():
     if "throughput" in sections:
         result["throughput"] = throughput(args.models.split(","), [int(s) for s in args.seq.split(",")],
                                           [int(n) for n in args.adapters.split(",")],
-                                          [int(b) for b in args.batches.split(",")], peak, args.warmup, args.steps, log)
+                                          [int(b) for b in args.batches.split(",")], peak, args.warmup, args.steps, log,
+                                          args.ranks.split(","))
         save()
     if "kernels" in sections:
         result["kernels"] = kernels(args.kernels_model, args.kernels_seq, args.kernels_adapters, peak, args.warmup,
@@ -817,7 +823,7 @@ def main():
         save()
     if "makespan" in sections:
         result["makespan"] = makespan(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log,
-                                      args.microbatch_tokens, not args.peft_in_process)
+                                      args.microbatch_tokens, not args.peft_in_process, not args.no_peft_alone)
         save()
     if "overhead" in sections:
         result["overhead"] = overhead(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log)

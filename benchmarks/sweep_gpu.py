@@ -85,8 +85,9 @@ def synthetic_rows(n: int, seq_len: int, seed: int) -> list[dict]:
     the bundled tokenizer's vocabulary is one token."""
     from transformers import AutoTokenizer
 
-    words = [w.lstrip("Ġ") for w in AutoTokenizer.from_pretrained(tiny_model_path()).get_vocab()
-             if w.startswith("Ġ") and w[1:].isalpha()]
+    # sorted: the vocabulary's order differs between processes, and the ranks of a job must agree
+    words = sorted(w.lstrip("Ġ") for w in AutoTokenizer.from_pretrained(tiny_model_path()).get_vocab()
+                   if w.startswith("Ġ") and w[1:].isalpha())
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
@@ -97,7 +98,7 @@ def synthetic_rows(n: int, seq_len: int, seed: int) -> list[dict]:
 
 def spec_for(model, rows, seq_len, device="cuda", **kw) -> ls.JobSpec:
     return ls.JobSpec(base_model=lambda: model, tokenizer=tiny_model_path(), train_data=rows, max_seq_len=seq_len,
-                      eval_every=10**9, output_dir="/tmp/lora_sweep_bench", device=device, **kw)
+                      eval_every=10**9, output_dir=f"/tmp/lora_sweep_bench/{os.getpid()}", device=device, **kw)
 
 
 def flops(shape: ModelShape, lengths: list[int], rank_tokens: float, modules=PROJECTIONS) -> float:

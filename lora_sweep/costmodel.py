@@ -13,15 +13,21 @@ gradients + optimizer states + activations, under a load factor C of each GPU's 
      + LoRA activations(sum_i rank_i * tokens_i))  # the rank-r tensor S per adapted module
     / d + workspace  <=  C * gpu memory
 
+On d > 1 GPUs the job is the engine's (lora_sweep/distributed.py): FSDP2 shards the base's
+decoder d ways but holds two layers whole at a time (the one computing, the next one
+prefetched) and the LM head whole on every GPU, and each GPU trains its own 1/d of the
+trials, so their states and activations split d ways while each GPU's chunk of logits does not.
+
 Step time (seconds) is linear in a few features, so that a handful of profiled steps fit it:
 
-    overhead + per_adapter * n + weight bytes / (d * HBM rate) + base FLOPs / (d * rate)
-    + LoRA FLOPs / (d * LoRA rate) + all-reduce bytes / link rate
+    overhead + per_adapter * n / d + weight bytes / HBM rate + base FLOPs / (d * rate)
+    + LoRA FLOPs / (d * LoRA rate) + gathered bytes / link rate
 
+Each GPU reads every layer's weights whole in every pass; on d > 1 GPUs it first receives
+the (d - 1) / d of them it does not hold (FSDP's all-gathers, partly hidden behind compute).
 The defaults come from a roofline of the GPU's peak bf16 FLOP/s and memory bandwidth (the
 `GPUS` table, or `detect()` on this machine); `calibrate` replaces them with least-squares
-fits of profiled steps (`profile_job`). A job spread over d GPUs is modelled as tensor
-parallel: memory and FLOPs split d ways, and every layer all-reduces its hidden states.
+fits of profiled steps (`profile_job`), jobs over several GPUs included.
 
     cm = CostModel.from_model("qwen2.5-7b", gpu="h100-sxm", max_seq_len=512)
     cm.fits([TrialConfig(rank=16, batch_size=8)], num_gpus=1)
@@ -263,16 +269,16 @@ LINK_EFFICIENCY = 0.7
 STEP_OVERHEAD_S = 0.02  # host work and kernel launches of one packed step
 ADAPTER_OVERHEAD_S = 0.001  # each adapter's own optimizer step and bookkeeping
 
-TIME_TERMS = ("overhead", "adapters", "weight_bytes", "base_flops", "lora_flops", "allreduce_bytes")
+TIME_TERMS = ("overhead", "adapters", "weight_bytes", "base_flops", "lora_flops", "gathered_bytes")
 
 
 @dataclass
 class Calibration:
     """The coefficients of the step-time and memory models (what `calibrate` fits).
 
-    Step time is ``time_coefs . features`` with features in `TIME_TERMS` order: 1, number of
-    adapters, frozen-weight bytes read, base FLOPs, LoRA FLOPs and all-reduce bytes (all per
-    GPU), so the coefficients are seconds, seconds per adapter and inverse rates.
+    Step time is ``time_coefs . features`` with features in `TIME_TERMS` order: 1, adapters,
+    frozen-weight bytes read, base FLOPs, LoRA FLOPs and weight bytes gathered from the other
+    GPUs (all per GPU), so the coefficients are seconds, seconds per adapter and inverse rates.
     """
 
     time_coefs: list[float]
@@ -453,6 +459,10 @@ class CostModel:
         rest = self.shape.num_params - linear
         return linear * QUANTIZED_BYTES_PER_PARAM[self.quantization] + rest * self.dtype_bytes
 
+    def _decoder_weight_bytes(self) -> float:
+        """Bytes of the weights that FSDP shards: all but the LM head, which every GPU holds whole."""
+        return self.weight_bytes() - self.shape.vocab_size * self.shape.hidden_size * self.dtype_bytes
+
     @property
     def capacity_bytes(self) -> float:
         """Usable memory of one GPU: the load factor times its memory."""
@@ -517,17 +527,16 @@ class CostModel:
         """
         d = num_gpus
         passes = 2 + self.gradient_checkpointing  # forward, backward (+ recomputed forward)
-        weight_bytes = self.shape.num_params * self.dtype_bytes * passes / d
-        # tensor parallel: 2 all-reduces of the hidden states per layer and pass; a ring
-        # all-reduce moves 2 (d - 1) / d of the buffer through each GPU
-        allreduce = tokens * 2 * passes * self.shape.num_layers * self.shape.hidden_size * self.dtype_bytes
+        # every GPU computes its own trials' rows on every layer, gathered whole (FSDP)
+        weight_bytes = self.shape.num_params * self.dtype_bytes * passes
+        gathered = self._decoder_weight_bytes() * passes * (d - 1) / d
         return np.array([
             1.0,
-            num_adapters,
+            num_adapters / d,
             weight_bytes,
             self._base_flops_per_token() * tokens / d,
             self._lora_flops_per_rank_token() * rank_tokens / d,
-            allreduce * 2 * (d - 1) / d,
+            gathered,
         ])
 
     def step_seconds(self, tokens: float, rank_tokens: float, num_adapters: float, num_gpus: int = 1) -> float:
@@ -560,16 +569,21 @@ class CostModel:
             rank_sum:
                 Sum of the adapters' ranks (their parameters, gradients and optimizer states).
             num_gpus:
-                GPUs of the job; every term but the workspace is split among them.
+                GPUs of the job: the decoder's weights and the trials' terms are split among
+                them (FSDP, each trial on one GPU), the LM head, two gathered layers, a chunk
+                of logits and the workspace are on each.
 
         Returns:
             A dict with ``weights``, ``logits``, ``adapter_states``, ``base_activations``,
             ``lora_activations`` and ``workspace``; their sum is the peak.
         """
         d, cal = num_gpus, self.calibration
+        decoder = self._decoder_weight_bytes()
+        weights = self.weight_bytes() if d == 1 else (
+            self.weight_bytes() - decoder + decoder / d + 2 * decoder / self.shape.num_layers * (d - 1) / d)
         return {
-            "weights": self.weight_bytes() / d,
-            "logits": self.loss_chunk_tokens * self.shape.vocab_size * LOGITS_BYTES / d,
+            "weights": weights,
+            "logits": self.loss_chunk_tokens * self.shape.vocab_size * LOGITS_BYTES,
             "adapter_states": rank_sum * self._lora_dims() * ADAPTER_BYTES_PER_PARAM / d,
             "base_activations": cal.base_activation_scale * tokens * self._base_activation_bytes_per_token() / d,
             "lora_activations": cal.lora_activation_scale * rank_tokens
@@ -645,12 +659,12 @@ class CostModel:
     def trial_budget(self, num_gpus: int = 1) -> float:
         """Bytes left for trials in a job on `num_gpus` GPUs, summed over them: the jobs whose
         ``sum(trial_memory)`` stays within it fit."""
-        return num_gpus * (self.capacity_bytes - self.calibration.workspace_bytes) - self.static_memory()
+        return num_gpus * (self.capacity_bytes - self.calibration.workspace_bytes) - self.static_memory(num_gpus)
 
-    def static_memory(self) -> float:
-        """Bytes of a job without adapters (weights, logits), summed over its GPUs; the
-        per-GPU workspace comes on top."""
-        return self.peak_memory(0, 0, 0, 1) - self.calibration.workspace_bytes
+    def static_memory(self, num_gpus: int = 1) -> float:
+        """Bytes of a job without adapters (weights, logits), summed over its `num_gpus` GPUs;
+        the per-GPU workspace comes on top."""
+        return num_gpus * (self.peak_memory(0, 0, 0, num_gpus) - self.calibration.workspace_bytes)
 
     def trial_memory(self, trial: TrialConfig) -> float:
         """Bytes that `trial` adds to a job, summed over its GPUs (the model is linear in trials)."""

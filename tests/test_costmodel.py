@@ -127,8 +127,15 @@ def test_memory_terms(cm):
     assert terms["lora_activations"] == 64 * 4096 * shape.num_layers * 7 * 2  # S: tokens x rank per module
     assert terms["logits"] == cm.loss_chunk_tokens * shape.vocab_size * 4 * 2  # one chunk, not all tokens
     assert 3 * GB < terms["base_activations"] < 40 * GB
+    # on two GPUs (FSDP, each trial on one GPU): the trials' terms halve, a chunk of logits does
+    # not, and the weights halve but for the LM head and the two decoder layers held whole
     halves = cm.memory_terms(4096, 64 * 4096, 64, num_gpus=2)
-    assert all(halves[k] == pytest.approx(v / 2) for k, v in terms.items())  # sharded by the GPU count
+    for k in ("adapter_states", "base_activations", "lora_activations"):
+        assert halves[k] == pytest.approx(terms[k] / 2)
+    assert halves["logits"] == terms["logits"]
+    head = shape.vocab_size * shape.hidden_size * 2
+    layer = (shape.num_params * 2 - head) / shape.num_layers
+    assert halves["weights"] == pytest.approx(terms["weights"] / 2 + head / 2 + layer)
 
 
 def test_logits_chunk_is_the_engines():
@@ -150,7 +157,7 @@ def test_gradient_checkpointing_shrinks_activations(cm):
 def test_memory_is_linear_in_trials(cm):
     a, b = TrialConfig(rank=8, batch_size=4), TrialConfig(rank=128, batch_size=1, target_modules=("q_proj",))
     for d in (1, 2, 4):
-        expected = (cm.static_memory() + cm.trial_memory(a) + cm.trial_memory(b)) / d
+        expected = (cm.static_memory(d) + cm.trial_memory(a) + cm.trial_memory(b)) / d
         assert cm.memory_per_gpu([a, b], d) == pytest.approx(expected)
     assert cm.effective_rank(b) == pytest.approx(128 * (3584 + 3584) / (cm.shape.lora_dims(cm.target_modules)))
 
@@ -240,7 +247,12 @@ def test_calibrate_recovers_known_coefficients(cm):
     truth = dataclasses.replace(cm, calibration=Calibration(
         true_coefs.tolist(), base_activation_scale=1.3, lora_activation_scale=0.6, workspace_bytes=1.5 * GB))
     fitted = calibrate(cm, _synthetic_stats(truth, 40, seed=0))
-    np.testing.assert_allclose(fitted.calibration.time_coefs, true_coefs, rtol=1e-2)
+    got = np.array(fitted.calibration.time_coefs)
+    np.testing.assert_allclose(got[[1, 3, 4, 5]], true_coefs[[1, 3, 4, 5]], rtol=1e-2)
+    # every GPU reads every weight whole (FSDP gathers it), whatever the GPU count, so the
+    # per-step overhead and the weight reads are told apart only as their sum
+    reads = cm.time_features(0, 0, 0, 1)[2]
+    assert got[0] + got[2] * reads == pytest.approx(true_coefs[0] + true_coefs[2] * reads, rel=1e-2)
     assert fitted.calibration.base_activation_scale == pytest.approx(1.3, rel=1e-2)
     assert fitted.calibration.lora_activation_scale == pytest.approx(0.6, rel=1e-2)
     assert fitted.calibration.workspace_bytes == pytest.approx(1.5 * GB, rel=1e-2)

@@ -37,9 +37,9 @@ every rank, then sharded.
 `lora-sweep run` starts a job planned on d GPUs this way (`cli._train_on_ranks`), and so does a
 `PackedLoRASampler.optimize` script under torchrun; Ray's `PackedExecutor(gpus_per_server=d)`
 makes the d ranks of each pack server actors of one placement group that meet through `join`.
-A tuner drives rank 0; the other ranks `follow` each run of the job. Not built yet: device
-groups (`PackedLoRASampler(devices=[[0, 1], [2, 3]])`), tensor parallelism, and the cost model
-for d > 1.
+A tuner drives rank 0; the other ranks `follow` each run of the job. The cost model
+(lora_sweep/costmodel.py) describes this layout for the planner. Not built yet: device groups
+(`PackedLoRASampler(devices=[[0, 1], [2, 3]])`) and tensor parallelism.
 Out-of-memory retries are not agreed between ranks: one rank's retry or eviction breaks the
 lockstep, and the job stops with a `PeerFailure` (at the latest on the timeout). CUDA graphs are
 off in a d-rank job.

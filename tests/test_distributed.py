@@ -208,3 +208,17 @@ def test_a_ray_pack_server_on_two_ranks_trains_what_one_process_trains(base_args
         ref = weights(want)
         for k in ref:
             assert ((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() < 1e-4, (t.trial_id, k)
+
+
+def test_the_multi_gpu_benchmark_runs_on_cpu_ranks(tmp_path):
+    """`benchmarks/multi_gpu.py --dry`: the same job under torchrun on one process and on two
+    gloo ranks trains the same losses, and the cost model is fitted to both runs."""
+    from benchmarks.multi_gpu import main
+
+    result = main(["--dry", "--gpus", "1,2", "--out", str(tmp_path / "multi_gpu.json")])
+    one, two = result["runs"]
+    assert (one["d"], two["d"]) == (1, 2)
+    assert two["loss_max_rel_diff"] < 1e-5
+    assert sorted(set(result["owners"][2].values())) == [0, 1]
+    assert set(result["cost_model"]) == {"all", "d=1"}
+    assert all(p["step_s"] > 0 for p in result["cost_model"]["all"]["predicted"].values())

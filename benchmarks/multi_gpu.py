@@ -1,0 +1,244 @@
+"""One packed job over d GPUs of one host: tokens/s, memory per GPU, the cost model's step time.
+
+The same job (K adapters of rank 16 on all seven projections, batch 1, dropout 0, samples of
+varying length, a real architecture with random bf16 weights) runs on d = 1, 2, 4 GPUs, each
+d a ``torchrun --nproc-per-node d`` of this script's worker: FSDP2 over the frozen base, each
+trial trained by one rank (lora_sweep/distributed.py). Every rank builds the same weights
+from the same seed, whole on its GPU, before the job shards them.
+
+Per d: the median step (host clock around each synchronised step, after warm-up), real
+tokens/s summed over the ranks, MFU against d x the bf16 matmul rate measured in the same
+run, peak memory of each GPU, and every trial's loss at every step. The losses of d > 1 are
+compared with d = 1's: the same training, to bf16 rounding. Then the cost model: fitted to
+the d = 1 steps only, it predicts the d > 1 step, which is compared with the measured one;
+fitted to every run, it is what the planner uses for jobs over several GPUs.
+
+    python -m benchmarks.multi_gpu --model qwen2.5-7b --seq 1024 --k 16 --gpus 1,2 --out multi_gpu.json
+
+`--dry`: the same on CPU processes (gloo) with the bundled tiny Llama, K=3, 3 steps (for the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(args) -> None:
+    """One rank of the job (or the only process, for d = 1): build, warm up, time, write."""
+    import torch.distributed as dist
+
+    import lora_sweep as ls
+    from benchmarks.sweep_gpu import build_model, spec_for, synthetic_rows
+
+    from lora_sweep.tiny import tiny_model_path
+
+    rank, d = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    device = "cpu" if args.dry else "cuda"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.manual_seed(0)  # every rank builds the same weights
+    model = tiny_model_path() if args.dry else build_model(args.model)  # a path: each rank reads its shard
+    rows = synthetic_rows(512, args.seq, seed=0)
+    trials = [ls.TrialConfig(rank=16, alpha=32, learning_rate=1e-3, dropout=0.0, batch_size=1, max_steps=10**6,
+                             seed=i, trial_id=f"t{i}") for i in range(args.k)]
+    spec = dataclasses.replace(spec_for(model, rows, args.seq, device=device), eval_every=1,
+                               output_dir=args.work_dir)
+    if args.dry:
+        spec = dataclasses.replace(spec, base_model=model)
+    job = ls.PackedJob(spec, trials, progress=False)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds, tokens, rank_tokens, losses = [], [], [], {}
+    for _ in range(args.warmup + args.steps):
+        sync()
+        start = time.perf_counter()
+        events = job.step()
+        sync()
+        seconds.append(time.perf_counter() - start)
+        counts = torch.tensor([job.step_stats[-1]["tokens"], job.step_stats[-1]["rank_tokens"]], device=device,
+                              dtype=torch.float64)
+        if d > 1:
+            dist.all_reduce(counts)
+        tokens.append(counts[0].item())
+        rank_tokens.append(counts[1].item())
+        for e in events:
+            if isinstance(e, ls.Report):
+                losses.setdefault(e.trial_id, []).append(e.metrics["train_loss"])
+    peaks = [torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0]
+    if d > 1:
+        gathered = [None] * d
+        dist.all_gather_object(gathered, peaks[0])
+        peaks = gathered
+    if rank == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump({"d": d, "seconds": seconds, "tokens": tokens, "rank_tokens": rank_tokens, "losses": losses,
+                       "peak_memory_gb": peaks, "owners": job.ranks.owners if job.ranks else None,
+                       "graphed": [s["graphed"] for s in job.step_stats],
+                       "lengths": [len(s) for s in job.train_samples[:256]]}, f)
+    job.release_locks()
+
+
+def run_on(d: int, args, work: str) -> dict:
+    """The worker on `d` GPUs under torchrun; its rank 0's results."""
+    out = os.path.join(work, f"d{d}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(d),
+           "-m", "benchmarks.multi_gpu", "--worker-out", out, "--model", args.model, "--seq", str(args.seq),
+           "--k", str(args.k), "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--work-dir", os.path.join(work, f"job{d}")] + (["--dry"] if args.dry else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    if not args.dry:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(d)))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"d = {d} failed:\n{proc.stderr[-4000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def summarise(run: dict, args, shape, peak_tflops: float) -> dict:
+    from benchmarks.sweep_gpu import flops
+
+    timed = slice(args.warmup, None)
+    step = statistics.median(run["seconds"][timed])
+    tokens = statistics.mean(run["tokens"][timed])
+    mean_len = statistics.mean(run["lengths"])
+    step_flops = flops(shape, [mean_len] * round(tokens / mean_len), statistics.mean(run["rank_tokens"][timed]))
+    return {"d": run["d"], "median_step_s": step, "tokens_per_step": tokens, "tokens_per_s": tokens / step,
+            "mfu": step_flops / step / (run["d"] * peak_tflops * 1e12) if peak_tflops else None,
+            "peak_memory_gb": run["peak_memory_gb"], "graphed_steps": sum(run["graphed"][timed])}
+
+
+def step_stats(run: dict, args) -> list[dict]:
+    """The run's timed steps as `calibrate` reads them (tokens summed over the ranks)."""
+    return [{"tokens": n, "rank_tokens": rn, "num_adapters": args.k, "rank_sum": 16 * args.k, "seconds": s,
+             "num_gpus": run["d"], "peak_memory_bytes": max(run["peak_memory_gb"]) * 2**30}
+            for s, n, rn in list(zip(run["seconds"], run["tokens"], run["rank_tokens"]))[args.warmup:]]
+
+
+def loss_agreement(run: dict, reference: dict) -> float:
+    """The largest relative difference of a trial's loss at a step between two runs."""
+    return max(abs(a - b) / abs(b) for t in reference["losses"]
+               for a, b in zip(run["losses"][t], reference["losses"][t], strict=True))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--k", type=int, default=16, help="adapters of the job")
+    parser.add_argument("--gpus", default="1,2", help="the d to run, comma-separated")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results/multi_gpu.json")
+    parser.add_argument("--plot", help="a PNG of tokens/s and memory per GPU against d")
+    parser.add_argument("--dry", action="store_true", help="CPU (gloo), the tiny Llama, K=3, 3 steps (tests)")
+    parser.add_argument("--work-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # set: this process is a rank of one run
+    args = parser.parse_args(argv)
+    if args.worker_out:
+        worker(args)
+        return {}
+
+    import transformers
+    import triton
+
+    import lora_sweep as ls
+    from benchmarks.sweep_gpu import ceilings
+    from lora_sweep.costmodel import PRESETS, CostModel, ModelShape, calibrate, detect
+
+    from lora_sweep.tiny import tiny_model_path
+
+    gpus = [int(g) for g in args.gpus.split(",")]
+    if args.dry:
+        args.model, args.seq, args.k, args.warmup, args.steps = "tiny", 64, 3, 1, 3
+    elif max(gpus) > torch.cuda.device_count():
+        parser.error(f"`--gpus` asks for {max(gpus)} GPUs, but this machine has {torch.cuda.device_count()}.")
+    peak = None if args.dry else ceilings()["bf16_tflops"]
+    torch.cuda.empty_cache()
+    config = tiny_model_path() if args.dry else PRESETS[args.model]
+    shape = ModelShape.from_config(config)
+    with tempfile.TemporaryDirectory() as work:
+        runs = {}
+        for d in gpus:
+            runs[d] = run_on(d, args, work)
+            s = summarise(runs[d], args, shape, peak)
+            print(f"{args.model} d={d}: {s['tokens_per_s']:,.0f} tokens/s, step {s['median_step_s']:.3f} s, "
+                  f"peak {max(s['peak_memory_gb']):.1f} GiB per GPU", flush=True)
+    result = {"benchmark": "multi_gpu", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "gpu": "cpu" if args.dry else torch.cuda.get_device_name(), "gpus_on_host": torch.cuda.device_count(),
+              "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                           "transformers": transformers.__version__, "lora_sweep": ls.__version__},
+              "model": args.model, "seq": args.seq, "k": args.k, "rank": 16, "steps": args.steps,
+              "warmup": args.warmup, "bf16_tflops": peak,
+              "runs": [summarise(runs[d], args, shape, peak) for d in gpus],
+              "losses": {d: runs[d]["losses"] for d in gpus}, "owners": {d: runs[d]["owners"] for d in gpus}}
+    if 1 in runs:
+        for r in result["runs"]:
+            r["speedup"] = r["tokens_per_s"] / result["runs"][gpus.index(1)]["tokens_per_s"]
+            r["loss_max_rel_diff"] = loss_agreement(runs[r["d"]], runs[1])
+    mean_len = statistics.mean(runs[gpus[0]]["lengths"])
+    base = CostModel.from_model(config, gpu=detect("cpu" if args.dry else None), max_seq_len=args.seq,
+                                mean_sample_tokens=mean_len)
+    fits = {"all": [s for d in gpus for s in step_stats(runs[d], args)]}
+    if 1 in runs and len(gpus) > 1:
+        fits["d=1"] = step_stats(runs[1], args)
+    result["cost_model"] = {}
+    for name, stats in fits.items():
+        cm = calibrate(base, stats)
+        result["cost_model"][name] = {
+            "calibration": cm.calibration.describe(), "coefficients": dataclasses.asdict(cm.calibration),
+            "predicted": {d: {"step_s": cm.step_seconds(r["tokens_per_step"], 16 * r["tokens_per_step"], args.k, d),
+                              "memory_gb": cm.peak_memory(args.k * args.seq, 16 * args.k * args.seq, 16 * args.k, d)
+                              / 2**30}
+                          for d, r in zip(gpus, result["runs"])}}
+        for d, r in zip(gpus, result["runs"]):
+            p = result["cost_model"][name]["predicted"][d]
+            p["step_error"] = p["step_s"] / r["median_step_s"] - 1
+            p["memory_error"] = p["memory_gb"] / max(r["peak_memory_gb"]) - 1 if max(r["peak_memory_gb"]) else None
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    print(f"{'d':>2} {'tokens/s':>9} {'speedup':>7} {'MFU':>6} {'GiB/GPU':>7} {'loss diff':>9} "
+          + " ".join(f"{'pred(' + n + ')':>12}" for n in result["cost_model"]))
+    for r in result["runs"]:
+        preds = " ".join(f"{result['cost_model'][n]['predicted'][r['d']]['step_error']:>+12.1%}"
+                         for n in result["cost_model"])
+        print(f"{r['d']:>2} {r['tokens_per_s']:>9,.0f} {r.get('speedup', float('nan')):>6.2f}x {r['mfu'] or 0:>6.1%} "
+              f"{max(r['peak_memory_gb']):>7.1f} {r.get('loss_max_rel_diff', float('nan')):>9.1e} {preds}")
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ds = [r["d"] for r in result["runs"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    left.bar([str(d) for d in ds], [r["tokens_per_s"] for r in result["runs"]], color="tab:blue")
+    left.set(xlabel="GPUs (d)", ylabel="real tokens/s", title=f"{result['model']}, {result['k']} adapters")
+    right.bar([str(d) for d in ds], [max(r["peak_memory_gb"]) for r in result["runs"]], color="tab:orange")
+    right.set(xlabel="GPUs (d)", ylabel="peak GiB per GPU", title=f"seq {result['seq']}, rank 16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

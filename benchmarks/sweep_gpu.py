@@ -245,7 +245,9 @@ def peft_in_process_of_its_own(model_name, cfg, seq_len, rows_seed, out_dir) -> 
 
     cmd = [sys.executable, "-m", "benchmarks.peft_process", "--model", model_name, "--seq", str(seq_len),
            "--rows-seed", str(rows_seed), "--config", json.dumps(cfg.to_dict()), "--out", out_dir]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"PEFT trial {cfg.trial_id} exited with {done.returncode}: {done.stderr[-1500:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -385,6 +387,7 @@ def step_host(model_name, seq, n, warmup, steps, log) -> dict:
     out = {"model": model_name, "seq": seq, "adapters": n, "wall_s_per_step": wall,
            **{k: v / steps for k, v in host.items()}, "syncs_per_step": len(syncs), "sync_sites": syncs,
            **gpu_profile(job)}
+    job.release_locks()
     del job
     strip_adapters(model)
     del model
@@ -445,7 +448,8 @@ def peft_colocated(model_name, configs, seq, probe_runs: list[dict], log) -> dic
     process's peak memory, a line in its batch fitted to the PEFT probes (`probe_runs[i]` is
     `probe_configs()[i]`), plus 1 GB of CUDA context, against 90% of the GPU. Wall time from the
     first start to the last end, start-ups included: they are what such a sweep pays (the packed
-    side's ratio then counts its one model build too)."""
+    side's ratio then counts its one model build too). A process that dies is started once
+    more, as a user would rerun the trial; its error is kept in `failures`."""
     import concurrent.futures
 
     batches = [cfg.batch_size for cfg in probe_configs()[:len(probe_runs)]]
@@ -455,14 +459,27 @@ def peft_colocated(model_name, configs, seq, probe_runs: list[dict], log) -> dic
     total_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
     at_once = max(1, min(len(configs), int(0.9 * total_gb / per_process)))
     log(f"co-located PEFT: {at_once} processes at once ({per_process:.1f} GB each at most)")
+    failures = []
+
+    def trial(cfg, out_dir):  # a trial whose process dies is started again, as a user would
+        for attempt in range(2):
+            try:
+                return peft_in_process_of_its_own(model_name, cfg, seq, 3, os.path.join(out_dir, f"{cfg.trial_id}"
+                                                                                                  f"-{attempt}"))
+            except RuntimeError as err:
+                failures.append(str(err))
+                log(f"  {str(err)[:300]}")
+        return None
+
     with tempfile.TemporaryDirectory() as out_dir:
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
-            runs = list(pool.map(lambda cfg: peft_in_process_of_its_own(model_name, cfg, seq, 3,
-                                                                        os.path.join(out_dir, cfg.trial_id)), configs))
+            runs = list(pool.map(lambda cfg: trial(cfg, out_dir), configs))
         wall_s = time.perf_counter() - t0
+    done = [r for r in runs if r is not None]
     return {"processes_at_once": at_once, "gb_per_process_predicted": per_process, "wall_s": wall_s,
-            "peak_memory_gb": [r["peak_memory_gb"] for r in runs], "trial_s": [r["trial_s"] for r in runs]}
+            "completed": len(done), "failures": failures,
+            "peak_memory_gb": [r["peak_memory_gb"] for r in done], "trial_s": [r["trial_s"] for r in done]}
 
 
 def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True, peft_alone=True) -> dict:
@@ -498,6 +515,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
                     [4, 5, 7, 8, 9]):
         job = ls.PackedJob(spec, [probe[i] for i in members], progress=False)
         stats += profile_job(job, steps=3, warmup=2)
+        job.release_locks()  # the next probe job trains some of the same trial ids
         del job
         strip_adapters(model)
     # the job of sixteen, run to completion, also gives a trial's time outside steps (joining,
@@ -733,6 +751,7 @@ def profile(model_name, seq, n, batch, log, out_dir) -> str:
     cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60)
     if out_dir:
         prof.export_chrome_trace(os.path.join(out_dir, f"trace_{model_name}_{seq}_{n}.json"))
+    job.release_locks()
     del job
     strip_adapters(model)
     del model

@@ -826,7 +826,8 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
             ``padded_tokens`` (used when present), ``rank_tokens``, ``num_adapters``,
             ``seconds``, ``rank_sum`` (the ranks of the step's adapters, summed) and
             ``peak_memory_bytes`` (None on CPU: then memory is not fitted); ``num_gpus`` in a
-            dict overrides the argument.
+            dict overrides the argument. Steps marked ``one_off`` (a CUDA graph captured in
+            them) are left out: their time is mostly the capture.
         num_gpus:
             GPUs of the profiled job.
         trial_seconds:
@@ -836,8 +837,10 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
     Returns:
         A copy of `cost_model` with the fitted `Calibration`.
     """
+    step_stats = [s for s in step_stats if not s.get("one_off")]
     if len(step_stats) < 2:
-        raise ValueError(f"The length of `step_stats` is {len(step_stats)}, but must be at least 2.")
+        raise ValueError(f"The length of `step_stats` is {len(step_stats)} (one-off steps left out), but must be "
+                         f"at least 2.")
     cal = dataclasses.replace(cost_model.calibration, source=f"calibrated from {len(step_stats)} steps")
     if trial_seconds is not None:
         if trial_seconds < 0:
@@ -907,8 +910,10 @@ def profile_job(job: Any, steps: int = 10, *, warmup: int = 1) -> list[dict]:
     """Run a `PackedJob` for a few steps and return their stats for `calibrate`.
 
     The engine records one dict per step in ``job.step_stats`` (tokens, rank-tokens, the
-    ranks of the adapters in the step, wall time, peak memory); this takes `warmup` + `steps`
-    steps with ``job.step()`` and drops the first `warmup` (allocations, kernel compilation).
+    ranks of the adapters in the step, wall time, peak memory); this runs ``job.step()``,
+    drops the first `warmup` steps (allocations, kernel compilation) and returns the next
+    `steps` that are not ``one_off`` (a step that captured a CUDA graph for a new token
+    bucket), running up to ``2 * steps`` more to find them.
 
     Example:
 
@@ -930,9 +935,11 @@ def profile_job(job: Any, steps: int = 10, *, warmup: int = 1) -> list[dict]:
         The step stats, one dict per step.
     """
     start = len(job.step_stats)
-    while len(job.step_stats) < start + warmup + steps and job.trials:
+    stats = []
+    while len(stats) < steps and len(job.step_stats) < start + warmup + 3 * steps and job.trials:
         job.step()
-    stats = job.step_stats[start + warmup: start + warmup + steps]
+        if len(job.step_stats) > start + warmup and not job.step_stats[-1].get("one_off"):
+            stats.append(job.step_stats[-1])
     if len(stats) < steps:
         warnings.warn(f"The job finished after {len(stats)} profiled steps, fewer than the {steps} asked for.")
     return stats

@@ -260,6 +260,20 @@ def test_calibrate_recovers_known_coefficients(cm):
     assert cm.calibration.source == "roofline"  # the input is not changed
 
 
+def test_calibrate_leaves_out_steps_that_captured_a_graph(cm):
+    # a step that captured a CUDA graph takes about a second more than its peers: in the fit,
+    # ten of them would make every step of a sweep look ten times slower
+    truth = dataclasses.replace(cm, calibration=Calibration([0.05, 0.004, 2e-13, 4e-15, 9e-15, 1e-12]))
+    stats = _synthetic_stats(truth, 12, seed=2)
+    captures = [{**s, "seconds": s["seconds"] + 1.0, "one_off": True} for s in stats[:10]]
+    fitted = calibrate(cm, stats + captures)
+    assert fitted.calibration.source == "calibrated from 12 steps"
+    assert fitted.calibration == calibrate(cm, stats).calibration  # as if they were not there
+    assert calibrate(cm, stats + [{**c, "one_off": False} for c in captures]).calibration != fitted.calibration
+    with pytest.raises(ValueError, match="one-off steps left out"):
+        calibrate(cm, captures[:1] + stats[:1])
+
+
 def test_calibrate_on_one_job_predicts_that_job(cm):
     # One GPU count: the per-step overhead and the weight-read time cannot be told apart,
     # but the fit still predicts the profiled steps and keeps every coefficient >= 0.

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2 or os.environ.get(
 
 
 def test_qwen_7b_on_two_gpus_trains_what_one_gpu_trains(tmp_path):
-    args = argparse.Namespace(model="qwen2.5-7b", seq=1024, k=16, warmup=0, steps=20)
+    args = argparse.Namespace(model="qwen2.5-7b", seq=1024, k=16, warmup=0, steps=20, dry=False)
     one, two = (run_on(d, args, str(tmp_path)) for d in (1, 2))
     assert sorted(set(two["owners"].values())) == [0, 1]  # each GPU trains its own trials
     assert sorted(one["losses"]) == sorted(two["losses"]) == [f"t{i}" for i in range(16)]

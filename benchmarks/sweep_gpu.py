@@ -534,6 +534,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
         del job
         strip_adapters(model)
     packed_cm = calibrate(base_cm, stats, trial_seconds=packed_trial_s)
+    log(f"packed engine calibrated: {packed_cm.calibration.describe()}")
 
     # calibrate one-trial-at-a-time PEFT from its own steps, and its time outside them
     peft_probes = probe[:4]
@@ -556,6 +557,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
             torch.cuda.synchronize()
             peft_trial_s = (time.perf_counter() - t0) / len(peft_probes)
     peft_cm, peft_stats = peft_cost_model(base_cm, peft_runs["probes"], peft_trial_s)
+    log(f"PEFT calibrated: {peft_cm.calibration.describe()}")
 
     predicted = {
         "packed_120": plan(PRESETS[model_name], configs, num_gpus=1, cost_model=packed_cm).makespan,
@@ -581,6 +583,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
         strip_adapters(model)
     torch.cuda.synchronize()
     measured_packed = time.perf_counter() - t0
+    log(f"16 configs packed in {len(subset_plan.jobs)} jobs: {measured_packed:.1f} s")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out_dir:
         for cfg in subset if peft_alone else []:  # and each PEFT run saves its adapter, as a user's would
@@ -807,9 +810,12 @@ def main():
     sections = args.sections.split(",")
     lines = []
 
-    def log(msg):
-        print(msg, flush=True)
-        lines.append(msg)
+    started = time.perf_counter()
+
+    def log(msg):  # each line with the seconds since the start, to see where a long run went
+        line = f"[{time.perf_counter() - started:5.0f} s] {msg}"
+        print(line, flush=True)
+        lines.append(line)
 
     import transformers
     import triton

@@ -64,6 +64,7 @@ from lora_sweep.config import (MAX_TRIAL_ID_CHARS, ConfigError, JobSpec, TrialCo
 from lora_sweep.costmodel import job_memory_model
 from lora_sweep.engine import Failed, Finished, PackedJob, Report
 from lora_sweep.planner import fits_running_job, memory_beside, new_job_fits
+from lora_sweep.rank_group import RankGroupJob
 
 __all__ = ["PackedLoRASampler"]
 
@@ -153,6 +154,11 @@ class PackedLoRASampler(BaseSampler):
         devices:
             The devices of this worker, e.g. ``["cuda:0", "cuda:1"]`` (ints mean CUDA
             indices): one packed job per device, fed from the same study. None: ``spec.device``.
+            An entry that is a list is a device group: ``[[0, 1], [2, 3]]`` runs one job over
+            GPUs 0 and 1 and another over 2 and 3, each in processes of its own (one rank per
+            GPU, the base sharded, each trial on one rank; `lora_sweep.rank_group`); its
+            `JobSpec.base_model` must be a hub id or a directory. Admission counts a group's
+            memory as that of its first device.
             For more machines, run one worker per machine on a shared storage. A script run
             under ``torchrun --nproc-per-node d`` trains one job over the d ranks (the base
             sharded, each trial on one rank): rank 0 asks and tells the study, the other ranks
@@ -174,7 +180,7 @@ class PackedLoRASampler(BaseSampler):
         trial_defaults: Optional[Mapping[str, Any]] = None,
         metric: str = "eval_loss",
         max_concurrent: int = 8,
-        devices: Optional[Sequence[Union[str, int]]] = None,
+        devices: Optional[Sequence[Union[str, int, Sequence[Union[str, int]]]]] = None,
         heartbeat_interval: float = 30.0,
         base_idle_s: float = 60.0,
     ) -> None:
@@ -353,10 +359,13 @@ class PackedLoRASampler(BaseSampler):
         """The packed job of `base` on device `index`, created (the base model loaded) on first use."""
         key = (index, base)
         if key not in self._jobs:
-            spec = dataclasses.replace(self._bases[base], device=self._devices[index])
-            job = PackedJob(spec, progress=False)
-            job.memory_model = job_memory_model(spec, job.device)  # corrected by OOMs
-            logger.info("device %s: loaded base %r for pack %s", spec.device, base, job.pack_id)
+            device = self._devices[index]
+            if isinstance(device, tuple):  # a device group: a job over its ranks, in processes of their own
+                job = RankGroupJob(self._bases[base], device)
+            else:
+                job = PackedJob(dataclasses.replace(self._bases[base], device=device), progress=False)
+            job.memory_model = job_memory_model(job.spec, job.device)  # corrected by OOMs
+            logger.info("device %s: loaded base %r for pack %s", device, base, job.pack_id)
             self._jobs[key] = job
         return self._jobs[key]
 
@@ -653,6 +662,8 @@ class _JobFeeder:
             job = self.sampler._jobs.pop((self.index, base), None)
             if job is not None:
                 job.release_locks()
+                if isinstance(job, RankGroupJob):
+                    job.close()
                 del job
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -701,8 +712,9 @@ class _JobFeeder:
         """Whether `base`'s job, with `cfg` in it, fits beside the device's other jobs, after
         releasing the jobs of other bases that have no trials. Without memory models (a CPU,
         a model factory) every base loads."""
+        device = self.sampler._devices[self.index]
         model = job_memory_model(dataclasses.replace(self.sampler._bases[base],
-                                                     device=self.sampler._devices[self.index]))
+                                                     device=device[0] if isinstance(device, tuple) else device))
         if new_job_fits(cfg, model, self._beside(base)):
             return True
         self._release_idle_jobs(now=math.inf)  # make room: idle jobs of other bases go now
@@ -1057,14 +1069,21 @@ def _inside_optimize(study: Study):
         local.in_optimize_loop = before
 
 
-def _resolve_devices(devices, spec: JobSpec) -> list[str]:
+def _resolve_devices(devices, spec: JobSpec) -> list[Union[str, tuple[str, ...]]]:
+    """Device names; a device group (a list of two or more) as a tuple of names."""
     if devices is None:
         return [spec.device]
-    devices = [f"cuda:{d}" if isinstance(d, int) and not isinstance(d, bool) else d for d in devices]
-    if not devices or not all(isinstance(d, str) and d for d in devices):
-        raise ValueError(f"The value of `devices` is {devices!r}, but must be None or a non-empty list of "
-                         "device names ('cuda:0') or CUDA indices.")
-    return devices
+
+    def name(d):
+        return f"cuda:{d}" if isinstance(d, int) and not isinstance(d, bool) else d
+
+    resolved = [tuple(name(g) for g in d) if isinstance(d, (list, tuple)) else name(d) for d in devices or []]
+    resolved = [d[0] if isinstance(d, tuple) and len(d) == 1 else d for d in resolved]
+    if not resolved or not all(isinstance(d, str) and d or isinstance(d, tuple) and d and
+                               all(isinstance(g, str) and g for g in d) for d in resolved):
+        raise ValueError(f"The value of `devices` is {devices!r}, but must be None or a non-empty list of device "
+                         "names ('cuda:0'), CUDA indices, or lists of them (device groups, [[0, 1], [2, 3]]).")
+    return resolved
 
 
 def _log_completed(study: Study, trial: FrozenTrial) -> None:

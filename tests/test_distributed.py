@@ -115,6 +115,38 @@ def test_an_optuna_sweep_under_torchrun_spans_both_ranks(base_args, tmp_path):
             assert ((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() < 1e-4, (want, k)
 
 
+def test_an_optuna_sweep_over_two_device_groups_trains_a_job_on_each(base_args, tmp_path):
+    """`PackedLoRASampler(devices=[["cpu", "cpu"], ["cpu", "cpu"]])` in one process: a job over
+    two ranks per group, each rank a process of its own; every trial completes with the adapter
+    a job on one process gives its config."""
+    optuna = pytest.importorskip("optuna")
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    from distributed_worker import make_spec, three_trials
+    from lora_sweep.integrations.optuna import PackedLoRASampler
+
+    one = {e["trial_id"]: e for e in in_process({**base_args, "scenario": "plain", "out": str(tmp_path / "d1")})
+           if e["kind"] == "Finished"}
+    study = optuna.create_study(storage=JournalStorage(JournalFileBackend(str(tmp_path / "journal.log"))))
+    configs = [{k: v for k, v in t.to_dict().items() if k != "trial_id"} for t in three_trials()]
+    sampler = PackedLoRASampler(study, make_spec({**base_args, "out": str(tmp_path / "groups")}),
+                                metric="train_loss", max_concurrent=1, devices=[["cpu", "cpu"], ["cpu", "cpu"]])
+    try:
+        sampler.optimize(objective=lambda trial: configs[trial.number], n_trials=3, show_progress_bar=False)
+        assert [job.devices for job in sampler.jobs] == [["cpu", "cpu"], ["cpu", "cpu"]]
+    finally:
+        for job in sampler.jobs:
+            job.close()
+    trials = sorted(study.get_trials(), key=lambda t: t.number)
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    assert len({t.user_attrs["pack_id"] for t in trials}) == 2  # one trial at a time per group: both trained
+    for t, want in zip(trials, "abc"):
+        got, ref = weights({"adapter_dir": t.user_attrs["adapter_dir"]}), weights(one[want])
+        for k in ref:
+            assert ((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() < 1e-4, (want, k)
+
+
 def test_a_killed_rank_stops_the_job_and_a_restart_resumes_from_checkpoints(base_args, tmp_path):
     args = {**base_args, "scenario": "plain", "out": str(tmp_path / "d2")}
     killed = torchrun({**args, "kill_at": 5}, tmp_path / "killed.json")  # rank 1 dies at its 5th step

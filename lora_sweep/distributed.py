@@ -37,9 +37,10 @@ every rank, then sharded.
 `lora-sweep run` starts a job planned on d GPUs this way (`cli._train_on_ranks`), and so does a
 `PackedLoRASampler.optimize` script under torchrun; Ray's `PackedExecutor(gpus_per_server=d)`
 makes the d ranks of each pack server actors of one placement group that meet through `join`.
-A tuner drives rank 0; the other ranks `follow` each run of the job. The cost model
-(lora_sweep/costmodel.py) describes this layout for the planner. Not built yet: device groups
-(`PackedLoRASampler(devices=[[0, 1], [2, 3]])`) and tensor parallelism.
+A tuner drives rank 0; the other ranks `follow` each run of the job. `rank_group.RankGroupJob`
+starts such a job's ranks as processes of its own, for a tuner that keeps several
+(`PackedLoRASampler(devices=[[0, 1], [2, 3]])`). The cost model (lora_sweep/costmodel.py)
+describes this layout for the planner. Not built yet: tensor parallelism.
 Out-of-memory retries are not agreed between ranks: one rank's retry or eviction breaks the
 lockstep, and the job stops with a `PeerFailure` (at the latest on the timeout). CUDA graphs are
 off in a d-rank job.

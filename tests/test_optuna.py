@@ -30,6 +30,7 @@ import lora_sweep as ls
 import lora_sweep.integrations.optuna as lso
 from lora_sweep.engine import Finished, PackedJob
 from lora_sweep.integrations.optuna import PackedLoRASampler
+from lora_sweep.rank_group import RankGroupJob
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -314,6 +315,13 @@ def test_median_pruner_warns_and_bad_arguments_raise(spec):
         PackedLoRASampler(study, spec, SPACE, trial_defaults={"rank": 4})
     with pytest.raises(ValueError, match="n_trials"):
         sampler.optimize(n_trials=0)
+    for devices in ([], [[]], [["cuda:0", ""]], [None]):
+        with pytest.raises(ValueError, match="device groups"):
+            PackedLoRASampler(study, spec, devices=devices)
+    # a group of one is that device; a group of several with a model factory cannot reach its ranks
+    assert PackedLoRASampler(study, spec, devices=[[0], "cpu"])._devices == ["cuda:0", "cpu"]
+    with pytest.raises(ValueError, match="not a factory"):
+        RankGroupJob(ls.JobSpec(base_model=lambda: None, train_data=spec.train_data), ["cpu", "cpu"])
 
 
 def test_interrupted_sweep_resumes_with_the_same_jobs(spec, job_log):

@@ -937,9 +937,10 @@ def profile_job(job: Any, steps: int = 10, *, warmup: int = 1) -> list[dict]:
     start = len(job.step_stats)
     stats = []
     while len(stats) < steps and len(job.step_stats) < start + warmup + 3 * steps and job.trials:
+        before = len(job.step_stats)
         job.step()
-        if len(job.step_stats) > start + warmup and not job.step_stats[-1].get("one_off"):
-            stats.append(job.step_stats[-1])
+        stats += [s for s in job.step_stats[max(before, start + warmup):] if not s.get("one_off")]
+    stats = stats[:steps]
     if len(stats) < steps:
         warnings.warn(f"The job finished after {len(stats)} profiled steps, fewer than the {steps} asked for.")
     return stats

@@ -207,22 +207,26 @@ def _rank_main(spec_file: str, devices: list[str], rank: int, group_address: str
         follow(job)
         return
     conn.send(("ok", {"pack_id": job.pack_id, "module_shapes": job.module_shapes}))
-    events = None
+    events = None  # the run in progress, if any
     while True:
         try:
             op, args = conn.recv()
         except EOFError:  # the driving process is gone
-            job.ranks.end_runs()
-            return
+            op, args = "stop", ()
         try:
             if op == "stop":
-                job.ranks.end_runs()
+                # between runs the others are told; in the middle of one they are inside its
+                # collectives, which fail when this process exits
+                if events is None:
+                    job.ranks.end_runs()
                 return
             if op == "start_run":
                 job.ranks.start_run()
                 events, result = job.run(), None
             elif op == "next":
                 result = next(events, None)
+                if result is None:
+                    events = None
             elif op in ("trials", "waiting"):
                 result = dict(job.trials) if op == "trials" else list(job.waiting)
             else:  # add_trial, remove_trial, saved_state, release_locks

@@ -42,7 +42,6 @@ def worker(args) -> None:
 
     import lora_sweep as ls
     from benchmarks.sweep_gpu import build_model, spec_for, synthetic_rows
-
     from lora_sweep.tiny import tiny_model_path
 
     rank, d = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -159,12 +158,13 @@ def main(argv=None) -> dict:
     import lora_sweep as ls
     from benchmarks.sweep_gpu import ceilings
     from lora_sweep.costmodel import PRESETS, CostModel, ModelShape, calibrate, detect
-
     from lora_sweep.tiny import tiny_model_path
 
     gpus = [int(g) for g in args.gpus.split(",")]
     if args.dry:
         args.model, args.seq, args.k, args.warmup, args.steps = "tiny", 64, 3, 1, 3
+    elif args.model not in PRESETS:
+        parser.error(f"`--model` is {args.model!r}, but must be one of {sorted(PRESETS)}.")
     elif max(gpus) > torch.cuda.device_count():
         parser.error(f"`--gpus` asks for {max(gpus)} GPUs, but this machine has {torch.cuda.device_count()}.")
     peak = None if args.dry else ceilings()["bf16_tflops"]

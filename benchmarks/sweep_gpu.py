@@ -482,12 +482,14 @@ def peft_colocated(model_name, configs, seq, probe_runs: list[dict], log) -> dic
             "peak_memory_gb": [r["peak_memory_gb"] for r in done], "trial_s": [r["trial_s"] for r in done]}
 
 
-def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True, peft_alone=True) -> dict:
+def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True, peft_alone=True,
+             keep=lambda part: None) -> dict:
     """Predicted makespan of 120 Table-1 configs packed and one at a time, from cost models
     calibrated on this GPU, and a measured 16-config subset both ways. With `peft_processes`
     every PEFT run (probes and measured trials) is a process of its own, started cold, as a
     sweep of separate fine-tunes runs; model building is left out of its time. Without
-    `peft_alone` the subset is not run one PEFT trial at a time (only co-located)."""
+    `peft_alone` the subset is not run one PEFT trial at a time (only co-located). `keep` is
+    given what is measured so far after each part, so a run cut short keeps it."""
     from lora_sweep.costmodel import CostModel, calibrate, detect, profile_job
     from lora_sweep.planner import plan
 
@@ -584,6 +586,11 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     torch.cuda.synchronize()
     measured_packed = time.perf_counter() - t0
     log(f"16 configs packed in {len(subset_plan.jobs)} jobs: {measured_packed:.1f} s")
+    keep({"model": model_name, "seq": seq, "steps": steps, "predicted": predicted,
+          "measured": {"packed_16": measured_packed}, "packed_model_build_s": build_s,
+          "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1},
+          "calibration": {"packed": packed_cm.calibration.describe(), "peft": peft_cm.calibration.describe()},
+          "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs]})
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out_dir:
         for cfg in subset if peft_alone else []:  # and each PEFT run saves its adapter, as a user's would
@@ -850,8 +857,12 @@ def main():
                                    log)
         save()
     if "makespan" in sections:
+        def keep(part):
+            result["makespan"] = {**part, "complete": False}
+            save()
+
         result["makespan"] = makespan(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log,
-                                      args.microbatch_tokens, not args.peft_in_process, not args.no_peft_alone)
+                                      args.microbatch_tokens, not args.peft_in_process, not args.no_peft_alone, keep)
         save()
     if "overhead" in sections:
         result["overhead"] = overhead(args.models.split(",")[0], int(args.seq.split(",")[0]), args.sweep_steps, log)

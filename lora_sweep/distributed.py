@@ -128,8 +128,17 @@ _CONTINUE, _STOP = "continue", "stop"  # rank 0's word to the others before each
 
 
 def _destroy_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Take the group down at exit, after the other ranks reach their exit too (gloo: at most
+    30 s): a rank whose peer tears down its connections while this rank's last collective is
+    still in flight can abort in gloo's threads."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+        except Exception:  # noqa: BLE001 - a peer that died or is stuck: tear down all the same
+            pass
+    dist.destroy_process_group()
 
 
 def shard_base(body: nn.Module) -> None:

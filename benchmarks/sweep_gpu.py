@@ -586,11 +586,18 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     torch.cuda.synchronize()
     measured_packed = time.perf_counter() - t0
     log(f"16 configs packed in {len(subset_plan.jobs)} jobs: {measured_packed:.1f} s")
-    keep({"model": model_name, "seq": seq, "steps": steps, "predicted": predicted,
-          "measured": {"packed_16": measured_packed}, "packed_model_build_s": build_s,
-          "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1},
-          "calibration": {"packed": packed_cm.calibration.describe(), "peft": peft_cm.calibration.describe()},
-          "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs]})
+    result = {"model": model_name, "seq": seq, "steps": steps, "peft_processes": peft_processes,
+              "mean_sample_tokens": base_cm.mean_sample_tokens, "predicted": predicted,
+              "measured": {"packed_16": measured_packed},
+              "packed_16_breakdown": {"construct_s": construct_s,
+                                      "steps_s": sum(st["seconds"] for st in measured_steps),
+                                      "rest_s": measured_packed - construct_s
+                                      - sum(st["seconds"] for st in measured_steps)},
+              "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1},
+              "packed_model_build_s": build_s,
+              "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs],
+              "calibration": {"packed": packed_cm.calibration.describe(), "peft": peft_cm.calibration.describe()}}
+    keep(result)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out_dir:
         for cfg in subset if peft_alone else []:  # and each PEFT run saves its adapter, as a user's would
@@ -608,27 +615,18 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     del model
     torch.cuda.empty_cache()
     colocated = peft_colocated(model_name, subset, seq, peft_runs["probes"], log) if peft_processes else None
-    result = {"model": model_name, "seq": seq, "steps": steps, "peft_processes": peft_processes,
-              "mean_sample_tokens": base_cm.mean_sample_tokens, "peft_trial_s": peft_trials or None,
-              "predicted": predicted,
-              "measured": {"packed_16": measured_packed, "peft_16": measured_peft},
-              "packed_16_breakdown": {"construct_s": construct_s,
-                                      "steps_s": sum(st["seconds"] for st in measured_steps),
-                                      "rest_s": measured_packed - construct_s
-                                      - sum(st["seconds"] for st in measured_steps)},
-              "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1,
-                                   "peft_16": predicted["peft_16"] / measured_peft - 1 if measured_peft else None},
-              "ratio": {"predicted_120": predicted["peft_120"] / predicted["packed_120"],
-                        "measured_16": measured_peft / measured_packed if measured_peft else None,
-                        "measured_16_colocated": (colocated["wall_s"] / (measured_packed + build_s)
-                                                  if colocated else None)},
-              "packed_model_build_s": build_s,
-              "peft_colocated": colocated,
-              "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs],
-              "calibration": {"packed": packed_cm.calibration.describe(), "peft": peft_cm.calibration.describe()},
-              # the steps behind the fits and the measured run, so a cost model can be refitted offline
-              "probe_steps": {"packed": stats, "peft": peft_stats}, "measured_steps": measured_steps,
-              "peft_process_runs": peft_runs if peft_processes else None}
+    result["measured"]["peft_16"] = measured_peft
+    result["prediction_error"]["peft_16"] = predicted["peft_16"] / measured_peft - 1 if measured_peft else None
+    result.update({
+        "peft_trial_s": peft_trials or None,
+        "ratio": {"predicted_120": predicted["peft_120"] / predicted["packed_120"],
+                  "measured_16": measured_peft / measured_packed if measured_peft else None,
+                  "measured_16_colocated": (colocated["wall_s"] / (measured_packed + build_s)
+                                            if colocated else None)},
+        "peft_colocated": colocated,
+        # the steps behind the fits and the measured run, so a cost model can be refitted offline
+        "probe_steps": {"packed": stats, "peft": peft_stats}, "measured_steps": measured_steps,
+        "peft_process_runs": peft_runs if peft_processes else None})
     log(f"16 configs: packed {measured_packed:.1f} s (predicted {predicted['packed_16']:.1f}), "
         + (f"PEFT {measured_peft:.1f} s (predicted {predicted['peft_16']:.1f}), "
            f"ratio {result['ratio']['measured_16']:.2f}x" if measured_peft else "")

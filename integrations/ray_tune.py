@@ -508,12 +508,10 @@ class _RankFollower:
 
 def _join_ranks(spec: JobSpec, address: str, rank: int, world_size: int) -> None:
     """This actor as `rank` of a server's d ranks, on its one device (Ray gives each rank one GPU)."""
-    import torch
-
     from ..distributed import join
+    from ..model import resolve_device
 
-    device = "cuda" if spec.device == "auto" and torch.cuda.is_available() else spec.device
-    join(address, rank, world_size, torch.device("cpu" if device == "auto" else device))
+    join(address, rank, world_size, resolve_device(spec))
 
 
 @ray.remote(num_cpus=0)

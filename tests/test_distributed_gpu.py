@@ -21,7 +21,7 @@ def test_qwen_7b_on_two_gpus_trains_what_one_gpu_trains(tmp_path):
     args = argparse.Namespace(model="qwen2.5-7b", seq=1024, k=16, warmup=0, steps=20, dry=False)
     one, two = (run_on(d, args, str(tmp_path)) for d in (1, 2))
     assert sorted(set(two["owners"].values())) == [0, 1]  # each GPU trains its own trials
-    assert sorted(one["losses"]) == sorted(two["losses"]) == [f"t{i}" for i in range(16)]
+    assert set(one["losses"]) == set(two["losses"]) == {f"t{i}" for i in range(16)}
     assert all(len(losses) == 20 for losses in two["losses"].values())
     first = loss_agreement({"losses": {t: v[:1] for t, v in two["losses"].items()}},
                            {"losses": {t: v[:1] for t, v in one["losses"].items()}})

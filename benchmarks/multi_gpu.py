@@ -2,9 +2,10 @@
 
 The same job (K adapters of rank 16 on all seven projections, batch 1, dropout 0, samples of
 varying length, a real architecture with random bf16 weights) runs on d = 1, 2, 4 GPUs, each
-d a ``torchrun --nproc-per-node d`` of this script's worker: FSDP2 over the frozen base, each
-trial trained by one rank (lora_sweep/distributed.py). Every rank builds the same weights
-from the same seed, whole on its GPU, before the job shards them.
+d a ``torchrun --nproc-per-node d`` of this script's worker: the frozen base sharded with FSDP2
+or whole on each GPU (`JobSpec.shard_base`, `--shard-base`), each trial trained by one rank
+(lora_sweep/distributed.py). Every rank builds the same weights from the same seed, whole on
+its GPU, before the job shards them or keeps them.
 
 Per d: the median step (host clock around each synchronised step, after warm-up), real
 tokens/s summed over the ranks, MFU against d x the bf16 matmul rate measured in the same
@@ -34,6 +35,7 @@ import time
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARD_BASE = {"auto": "auto", "true": True, "false": False}
 
 
 def worker(args) -> None:
@@ -54,26 +56,28 @@ def worker(args) -> None:
     trials = [ls.TrialConfig(rank=16, alpha=32, learning_rate=1e-3, dropout=0.0, batch_size=1, max_steps=10**6,
                              seed=i, trial_id=f"t{i}") for i in range(args.k)]
     spec = dataclasses.replace(spec_for(model, rows, args.seq, device=device), eval_every=1,
-                               output_dir=args.work_dir)
+                               output_dir=args.work_dir, shard_base=SHARD_BASE[args.shard_base])
     if args.dry:
         spec = dataclasses.replace(spec, base_model=model)
     job = ls.PackedJob(spec, trials, progress=False)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    seconds, tokens, rank_tokens, losses = [], [], [], {}
+    seconds, tokens, rank_tokens, one_off, losses = [], [], [], [], {}
     for _ in range(args.warmup + args.steps):
         sync()
         start = time.perf_counter()
         events = job.step()
         sync()
         seconds.append(time.perf_counter() - start)
-        counts = torch.tensor([job.step_stats[-1]["tokens"], job.step_stats[-1]["rank_tokens"]], device=device,
+        last = job.step_stats[-1]
+        counts = torch.tensor([last["tokens"], last["rank_tokens"], last["one_off"]], device=device,
                               dtype=torch.float64)
         if d > 1:
             dist.all_reduce(counts)
         tokens.append(counts[0].item())
         rank_tokens.append(counts[1].item())
+        one_off.append(counts[2].item() > 0)  # a rank captured a CUDA graph in this step
         for e in events:
             if isinstance(e, ls.Report):
                 losses.setdefault(e.trial_id, []).append(e.metrics["train_loss"])
@@ -84,9 +88,10 @@ def worker(args) -> None:
         peaks = gathered
     if rank == 0:
         with open(args.worker_out, "w") as f:
-            json.dump({"d": d, "seconds": seconds, "tokens": tokens, "rank_tokens": rank_tokens, "losses": losses,
+            json.dump({"d": d, "seconds": seconds, "tokens": tokens, "rank_tokens": rank_tokens, "one_off": one_off,
+                       "losses": losses,
                        "peak_memory_gb": peaks, "owners": job.ranks.owners if job.ranks else None,
-                       "graphed": [s["graphed"] for s in job.step_stats],
+                       "graphed": [s["graphed"] for s in job.step_stats], "sharded": job.sharded,
                        "lengths": [len(s) for s in job.train_samples[:256]]}, f)
     job.release_locks()
 
@@ -97,6 +102,7 @@ def run_on(d: int, args, work: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(d),
            "-m", "benchmarks.multi_gpu", "--worker-out", out, "--model", args.model, "--seq", str(args.seq),
            "--k", str(args.k), "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--shard-base", args.shard_base,
            "--work-dir", os.path.join(work, f"job{d}")] + (["--dry"] if args.dry else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     if not args.dry:
@@ -111,21 +117,25 @@ def run_on(d: int, args, work: str) -> dict:
 def summarise(run: dict, args, shape, peak_tflops: float) -> dict:
     from benchmarks.sweep_gpu import flops
 
-    timed = slice(args.warmup, None)
-    step = statistics.median(run["seconds"][timed])
-    tokens = statistics.mean(run["tokens"][timed])
+    timed = [i for i in range(args.warmup, len(run["seconds"])) if not run["one_off"][i]]
+    step = statistics.median(run["seconds"][i] for i in timed)
+    tokens = statistics.mean(run["tokens"][i] for i in timed)
     mean_len = statistics.mean(run["lengths"])
-    step_flops = flops(shape, [mean_len] * round(tokens / mean_len), statistics.mean(run["rank_tokens"][timed]))
+    rank_tokens = statistics.mean(run["rank_tokens"][i] for i in timed)
+    step_flops = flops(shape, [mean_len] * round(tokens / mean_len), rank_tokens)
     return {"d": run["d"], "median_step_s": step, "tokens_per_step": tokens, "tokens_per_s": tokens / step,
             "mfu": step_flops / step / (run["d"] * peak_tflops * 1e12) if peak_tflops else None,
-            "peak_memory_gb": run["peak_memory_gb"], "graphed_steps": sum(run["graphed"][timed])}
+            "peak_memory_gb": run["peak_memory_gb"], "graphed_steps": sum(run["graphed"][i] for i in timed),
+            "timed_steps": len(timed), "sharded": run["sharded"]}
 
 
 def step_stats(run: dict, args) -> list[dict]:
-    """The run's timed steps as `calibrate` reads them (tokens summed over the ranks)."""
+    """The run's timed steps as `calibrate` reads them (tokens summed over the ranks; steps that
+    captured a CUDA graph marked `one_off`, which `calibrate` leaves out)."""
     return [{"tokens": n, "rank_tokens": rn, "num_adapters": args.k, "rank_sum": 16 * args.k, "seconds": s,
-             "num_gpus": run["d"], "peak_memory_bytes": max(run["peak_memory_gb"]) * 2**30}
-            for s, n, rn in list(zip(run["seconds"], run["tokens"], run["rank_tokens"]))[args.warmup:]]
+             "num_gpus": run["d"], "peak_memory_bytes": max(run["peak_memory_gb"]) * 2**30, "one_off": o}
+            for s, n, rn, o in list(zip(run["seconds"], run["tokens"], run["rank_tokens"],
+                                        run["one_off"]))[args.warmup:]]
 
 
 def loss_agreement(run: dict, reference: dict) -> float:
@@ -142,6 +152,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpus", default="1,2", help="the d to run, comma-separated")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--shard-base", default="auto", choices=sorted(SHARD_BASE),
+                        help="JobSpec.shard_base of the job: auto keeps a base within a quarter of a GPU whole")
     parser.add_argument("--out", default="benchmarks/results/multi_gpu.json")
     parser.add_argument("--plot", help="a PNG of tokens/s and memory per GPU against d")
     parser.add_argument("--dry", action="store_true", help="CPU (gloo), the tiny Llama, K=3, 3 steps (tests)")
@@ -183,6 +195,7 @@ def main(argv=None) -> dict:
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
                            "transformers": transformers.__version__, "lora_sweep": ls.__version__},
               "model": args.model, "seq": args.seq, "k": args.k, "rank": 16, "steps": args.steps,
+              "shard_base": args.shard_base,
               "warmup": args.warmup, "bf16_tflops": peak,
               "runs": [summarise(runs[d], args, shape, peak) for d in gpus],
               "losses": {d: runs[d]["losses"] for d in gpus}, "owners": {d: runs[d]["owners"] for d in gpus}}

@@ -25,6 +25,7 @@ MAX_BATCH_SIZE = 65536  # samples one adapter draws per micro-step
 MAX_GRADIENT_ACCUMULATION_STEPS = 4096  # micro-steps before an adapter's first optimizer step (and report)
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QUANTIZATIONS = ("nf4", "fp4", "int8")  # JobSpec.quantization's names (bitsandbytes' formats)
+REPLICATED_BASE_MAX_SHARE = 0.25  # shard_base="auto": a base within this share of one GPU's memory stays whole
 
 
 class ConfigError(ValueError):
@@ -324,6 +325,12 @@ class JobSpec:
                                   "power of two); False launches every kernel from Python, nothing padded; auto "
                                   "times both on the job's first steps and keeps the one that trains more tokens "
                                   "per second."})
+    shard_base: Union[bool, Literal["auto"]] = field(
+        default="auto", metadata={"help": "In a job over several ranks (torchrun, device groups): True shards the "
+                                  "frozen base with FSDP2, each rank holding 1/d of it; False keeps a whole copy on "
+                                  "every rank, so a step sends nothing between GPUs and keeps its CUDA graphs; auto "
+                                  "keeps it whole on GPUs where its weights take at most a quarter of one GPU's "
+                                  "memory, else shards it (on CPU ranks, which share one memory, it shards)."})
 
     def __post_init__(self):
         for f in fields(self):  # NumPy / torch scalars -> Python values; data, model and tokenizer as given
@@ -361,6 +368,8 @@ class JobSpec:
                               "factory returns its model as it is (quantize it there).", field="quantization")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
             raise _fail(None, "cuda_graphs", self.cuda_graphs, "True, False or 'auto'")
+        if not (isinstance(self.shard_base, bool) or self.shard_base == "auto"):
+            raise _fail(None, "shard_base", self.shard_base, "True, False or 'auto'")
         for flag in ("gradient_checkpointing", "keep_checkpoints"):
             if not isinstance(getattr(self, flag), bool):
                 raise _fail(None, flag, getattr(self, flag), "True or False")
@@ -378,6 +387,15 @@ class JobSpec:
         if isinstance(self.base_model, str):
             return self.base_model
         return getattr(self.base_model, "__name__", type(self.base_model).__name__)
+
+
+def shards_base(shard_base: Union[bool, str], weight_bytes: float, device_memory_bytes: Optional[float]) -> bool:
+    """Whether a job over several ranks shards its frozen base (`JobSpec.shard_base`):
+    "auto" shards unless the weights take at most `REPLICATED_BASE_MAX_SHARE` of one GPU's
+    memory; `device_memory_bytes` is None for CPU ranks, which share one memory: they shard."""
+    if shard_base != "auto":
+        return bool(shard_base)
+    return device_memory_bytes is None or weight_bytes > REPLICATED_BASE_MAX_SHARE * device_memory_bytes
 
 
 def named_bases(spec: Union[JobSpec, Mapping[str, JobSpec]]) -> dict[str, JobSpec]:

@@ -13,17 +13,19 @@ gradients + optimizer states + activations, under a load factor C of each GPU's 
      + LoRA activations(sum_i rank_i * tokens_i))  # the rank-r tensor S per adapted module
     / d + workspace  <=  C * gpu memory
 
-On d > 1 GPUs the job is the engine's (lora_sweep/distributed.py): FSDP2 shards the base's
-decoder d ways but holds two layers whole at a time (the one computing, the next one
-prefetched) and the LM head whole on every GPU, and each GPU trains its own 1/d of the
-trials, so their states and activations split d ways while each GPU's chunk of logits does not.
+On d > 1 GPUs the job is the engine's (lora_sweep/distributed.py): each GPU trains its own 1/d
+of the trials, so their states and activations split d ways while each GPU's chunk of logits
+does not. A base within a quarter of one GPU's memory stays whole on every GPU
+(`JobSpec.shard_base`); a larger one is sharded: FSDP2 splits its decoder d ways but holds two
+layers whole at a time (the one computing, the next one prefetched) and the LM head whole on
+every GPU.
 
 Step time (seconds) is linear in a few features, so that a handful of profiled steps fit it:
 
     overhead + per_adapter * n / d + weight bytes / HBM rate + base FLOPs / (d * rate)
     + LoRA FLOPs / (d * LoRA rate) + gathered bytes / link rate
 
-Each GPU reads every layer's weights whole in every pass; on d > 1 GPUs it first receives
+Each GPU reads every layer's weights whole in every pass; with a sharded base it first receives
 the (d - 1) / d of them it does not hold (FSDP's all-gathers, partly hidden behind compute).
 The defaults come from a roofline of the GPU's peak bf16 FLOP/s and memory bandwidth (the
 `GPUS` table, or `detect()` on this machine); `calibrate` replaces them with least-squares
@@ -47,7 +49,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from .config import DEFAULT_TARGET_MODULES, ConfigError, JobSpec, TrialConfig, quantization_name
+from .config import DEFAULT_TARGET_MODULES, ConfigError, JobSpec, TrialConfig, quantization_name, shards_base
 
 logger = logging.getLogger(__name__)
 
@@ -350,6 +352,7 @@ class CostModel:
     mean_sample_tokens: Optional[float] = None  # a sample's mean length, for step times; None: max_seq_len
     calibration: Optional[Calibration] = None  # None: the roofline defaults of `gpu`
     quantization: Optional[str] = None  # "nf4", "fp4" or "int8": the decoder's linear weights (`JobSpec.quantization`)
+    shard_base: Union[bool, str] = "auto"  # on d > 1 GPUs: FSDP2 or a whole base on each (`JobSpec.shard_base`)
 
     def __post_init__(self):
         if self.dtype not in _DTYPE_BYTES:
@@ -440,7 +443,8 @@ class CostModel:
             dtype=dtype,
             target_modules=tuple(pick(target_modules, "target_modules", DEFAULT_TARGET_MODULES)),
             gradient_checkpointing=pick(gradient_checkpointing, "gradient_checkpointing", False),
-            **{"quantization": quantization_name(spec.quantization) if spec is not None else None, **kwargs},
+            **{"quantization": quantization_name(spec.quantization) if spec is not None else None,
+               "shard_base": spec.shard_base if spec is not None else "auto", **kwargs},
         )
 
     # ---- per-token and per-step constants of the model
@@ -458,6 +462,12 @@ class CostModel:
         linear = self.shape.num_layers * sum(a * b for a, b in self.shape.linear_dims.values())
         rest = self.shape.num_params - linear
         return linear * QUANTIZED_BYTES_PER_PARAM[self.quantization] + rest * self.dtype_bytes
+
+    def shards_base(self, num_gpus: int) -> bool:
+        """Whether a job on `num_gpus` GPUs shards the base (FSDP2) rather than keeping it
+        whole on each GPU, as the engine decides (`config.shards_base`)."""
+        return num_gpus > 1 and shards_base(self.shard_base, self.weight_bytes(),
+                                            None if self.gpu.name == "cpu" else self.gpu.memory_gb * GB)
 
     def _decoder_weight_bytes(self) -> float:
         """Bytes of the weights that FSDP shards: all but the LM head, which every GPU holds whole."""
@@ -527,9 +537,9 @@ class CostModel:
         """
         d = num_gpus
         passes = 2 + self.gradient_checkpointing  # forward, backward (+ recomputed forward)
-        # every GPU computes its own trials' rows on every layer, gathered whole (FSDP)
+        # every GPU computes its own trials' rows on every layer, gathered whole where sharded (FSDP)
         weight_bytes = self.shape.num_params * self.dtype_bytes * passes
-        gathered = self._decoder_weight_bytes() * passes * (d - 1) / d
+        gathered = self._decoder_weight_bytes() * passes * (d - 1) / d if self.shards_base(d) else 0.0
         return np.array([
             1.0,
             num_adapters / d,
@@ -569,9 +579,10 @@ class CostModel:
             rank_sum:
                 Sum of the adapters' ranks (their parameters, gradients and optimizer states).
             num_gpus:
-                GPUs of the job: the decoder's weights and the trials' terms are split among
-                them (FSDP, each trial on one GPU), the LM head, two gathered layers, a chunk
-                of logits and the workspace are on each.
+                GPUs of the job: the trials' terms are split among them (each trial on one
+                GPU); a sharded base's decoder too (FSDP: the LM head and two gathered layers
+                are on each), while a base kept whole is on each; a chunk of logits and the
+                workspace are on each.
 
         Returns:
             A dict with ``weights``, ``logits``, ``adapter_states``, ``base_activations``,
@@ -579,7 +590,7 @@ class CostModel:
         """
         d, cal = num_gpus, self.calibration
         decoder = self._decoder_weight_bytes()
-        weights = self.weight_bytes() if d == 1 else (
+        weights = self.weight_bytes() if not self.shards_base(d) else (
             self.weight_bytes() - decoder + decoder / d + 2 * decoder / self.shape.num_layers * (d - 1) / d)
         return {
             "weights": weights,
@@ -889,12 +900,18 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
 def _ridge_fit(features: np.ndarray, target: np.ndarray, prior: np.ndarray, strength: float = 1e-6,
                lower: np.ndarray | None = None) -> np.ndarray:
     """Least squares of ``features @ coefs = target`` with ``coefs >= lower`` (default 0),
-    pulled towards `prior` in the directions the data do not determine. Columns are
-    normalised first, so the ridge strength is relative to the data."""
+    pulled towards `prior` in the directions the data do not determine; a column of zeros
+    keeps its prior. Columns are normalised first, so the ridge strength is relative to the data."""
     from scipy.optimize import lsq_linear  # scipy comes with cvxpy
 
     scale = np.linalg.norm(features, axis=0)
-    scale[scale == 0] = 1.0
+    unseen = scale == 0  # a term no step has (communication on one GPU): it keeps its prior, within bounds
+    if unseen.any():
+        kept = np.maximum(prior, 0.0 if lower is None else np.asarray(lower, dtype=float))
+        coefs = kept.copy()
+        coefs[~unseen] = _ridge_fit(features[:, ~unseen], target, prior[~unseen], strength,
+                                    None if lower is None else np.asarray(lower, dtype=float)[~unseen])
+        return coefs
     a = features / scale  # unit columns; unknowns u = coefs * scale
     low = (np.zeros(len(prior)) if lower is None else np.asarray(lower, dtype=float)) * scale
     weight = np.sqrt(strength)

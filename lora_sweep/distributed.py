@@ -6,7 +6,10 @@ itself) and then
 
 - shards the frozen base with FSDP2 (`fully_shard` on each decoder layer, then the decoder
   body), so each rank holds 1/d of it and all-gathers one layer at a time. The LM head stays
-  whole on every rank: the loss reads its weight outside the body's forward;
+  whole on every rank: the loss reads its weight outside the body's forward. Or, where the
+  base takes little of one GPU (`JobSpec.shard_base`, `config.shards_base`), keeps it whole on
+  every rank: then a step sends nothing between ranks, needs no lockstep and replays its CUDA
+  graphs, and the ranks meet only at step boundaries;
 - gives each trial to exactly one rank (its owner, the rank with the fewest trials when it
   joins, ties to the lowest), which alone creates its adapter, trains it on its own rows,
   checkpoints it and saves its PEFT files in the shared `output_dir`. Adapter parameters are
@@ -15,8 +18,8 @@ itself) and then
   (every rank runs the same script), and rank 0's queued changes go to every rank at each step
   boundary (one `all_gather_object`, with each rank's trial count) and are applied by every rank
   in the same order, so every rank knows every owner;
-- keeps the ranks in lockstep, since FSDP all-gathers each layer in the forward and in the
-  backward: before a phase the ranks agree on its number of forwards, and a rank with fewer
+- with a sharded base, keeps the ranks in lockstep, since FSDP all-gathers each layer in the
+  forward and in the backward: before a phase the ranks agree on its number of forwards, and a rank with fewer
   (or no trials at all) runs the rest on a dummy row (one position, no adapters, a loss of
   zero that still reaches every layer's backward);
 - gathers every rank's events to rank 0 at each step boundary: rank 0's `run()` / `step()`
@@ -30,9 +33,9 @@ group's timeout passed) stops the job with a `PeerFailure` naming the rank count
 the same command again resumes every trial from its checkpoints (`JobSpec.checkpoint_every`).
 
 A base given as a hub id or local directory is built on the meta device and each rank reads
-only its shard of every weight from the safetensors files (`materialize`), so a base larger
-than one GPU or than the host's memory can start; a base given as a factory is built whole on
-every rank, then sharded.
+only its shard of every weight from the safetensors files (`materialize`; every weight whole
+when the base is not sharded), so a base larger than one GPU or than the host's memory can
+start; a base given as a factory is built whole on every rank, then sharded.
 
 `lora-sweep run` starts a job planned on d GPUs this way (`cli._train_on_ranks`), and so does a
 `PackedLoRASampler.optimize` script under torchrun; Ray's `PackedExecutor(gpus_per_server=d)`
@@ -43,7 +46,7 @@ starts such a job's ranks as processes of its own, for a tuner that keeps severa
 describes this layout for the planner. Not built yet: tensor parallelism.
 Out-of-memory retries are not agreed between ranks: one rank's retry or eviction breaks the
 lockstep, and the job stops with a `PeerFailure` (at the latest on the timeout). CUDA graphs are
-off in a d-rank job.
+off in a job with a sharded base.
 """
 
 from __future__ import annotations

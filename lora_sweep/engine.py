@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .attention import sliding_window, use_packed_attention
-from .config import ConfigError, JobSpec, TrialConfig, check_against_model, check_trial_id, trial_file_name
+from .config import (ConfigError, JobSpec, TrialConfig, check_against_model, check_trial_id, shards_base,
+                     trial_file_name)
 from .data import Sample, SampleStream, collate, load_rows, to_device, tokenize_rows
 from .graphed import GraphCaptureError, GraphedStep, graphs_supported
 from .export import atomic_write, file_sha256, peft_key, write_peft_adapter
@@ -258,7 +259,8 @@ class PackedJob:
     is removed with a `Failed` event and its pack-mates carry on unchanged.
 
     Under ``torchrun --nproc-per-node d`` the same script makes one job over the d ranks:
-    the frozen base is sharded with FSDP2, each trial is trained by one rank, trials are
+    the frozen base is sharded with FSDP2 or kept whole on each rank (`JobSpec.shard_base`),
+    each trial is trained by one rank, trials are
     added and removed through rank 0 (calls on other ranks are ignored) at the next step
     boundary, and rank 0 yields every rank's events (`lora_sweep.distributed`).
 
@@ -307,8 +309,13 @@ class PackedJob:
         fuse_rms_norms(self.model)
         fuse_gated_mlps(self.model)
         self.body, self.lm_head_weight = split_causal_lm(self.model)
-        if self.ranks is not None:
+        # a d-rank job's base: sharded (FSDP2, the ranks run every forward in lockstep) or whole on each rank
+        self.sharded = self.ranks is not None and shards_base(
+            spec.shard_base, sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None)
+        if self.sharded:
             distributed.shard_base(self.body)
+        if self.ranks is not None:
             if on_meta:
                 self.lm_head_weight = distributed.materialize(self.model, spec.base_model, self.device, self.dtype)
         # Microbatch layout. On CUDA samples are packed back to back in one row, no padding
@@ -353,7 +360,7 @@ class PackedJob:
         self.optimizer = PackedAdamW()
         # the step replayed from CUDA graphs (graphed.py), where it can be; else None: eager steps
         self.graphed_step = GraphedStep(self, choose=spec.cuda_graphs == "auto") \
-            if spec.cuda_graphs and graphs_supported(self) and self.ranks is None else None
+            if spec.cuda_graphs and graphs_supported(self) and not self.sharded else None
         self.active: dict[str, _Adapter] = {}  # trial_id -> state, in join order
         self.finished: dict[str, str] = {}  # trial_id -> adapter dir
         self.waiting: deque[dict] = deque()  # snapshots of adapters moved out after an OOM
@@ -723,7 +730,8 @@ class PackedJob:
         if not self.model.training:  # train() visits every module: thousands with many adapters
             self.model.train()
         if not adapters:  # a rank of a d-rank job with no trial of its own: it keeps the others' pace
-            self._idle_step()
+            if self.sharded:
+                self._idle_step()
             return
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # step_stats report this step's peak
@@ -854,7 +862,7 @@ class PackedJob:
     def _run_microbatches(self, adapters, plan, counts, accum):
         sums = torch.zeros(len(adapters), device=self.device)
         grads: dict[int, list[torch.Tensor]] = {}
-        extra = self.ranks.max(len(plan)) - len(plan) if self.ranks is not None else 0  # keep the ranks' pace
+        extra = self.ranks.max(len(plan)) - len(plan) if self.sharded else 0  # keep the ranks' pace
         for parts in plan:  # parts: [(adapter index, samples)], adapters in job order
             index = [i for i, _ in parts]
             groups = [samples for _, samples in parts]
@@ -951,7 +959,7 @@ class PackedJob:
             elif self.spec.checkpoint_every and a.step % self.spec.checkpoint_every == 0:
                 self._guarded(a, "writing its checkpoint", self._write_checkpoint, a)
         to_eval = [a for a in to_eval if a.trial_id in self.active]
-        if to_eval or self.ranks is not None:  # every rank of a d-rank job takes part in every evaluation
+        if to_eval or self.sharded:  # every rank of a sharded job takes part in every evaluation
             eval_losses = self._evaluate_each_alone_on_error(to_eval) if self.eval_samples else {}
             for a in to_eval:
                 if a.trial_id not in self.active:
@@ -983,9 +991,9 @@ class PackedJob:
 
     def _evaluate_each_alone_on_error(self, adapters: list[_Adapter]) -> dict[str, float]:
         """`evaluate` for all of `adapters` at once; if that raises, each alone, so that an error
-        fails only the trial it came from. In a d-rank job an evaluation is a collective: it runs
-        once, all adapters together."""
-        if self.ranks is not None:
+        fails only the trial it came from. In a job over ranks with a sharded base an evaluation is
+        a collective: it runs once, all adapters together."""
+        if self.sharded:
             return self.evaluate([a.trial_id for a in adapters])
         if len(adapters) > 1:
             try:
@@ -1045,8 +1053,8 @@ class PackedJob:
         """Mean token loss on the eval set for each of `trial_ids` (default: all active),
         all adapters packed into the same eval forwards.
 
-        In a d-rank job every rank must call it (it runs the base's forwards in lockstep); each
-        rank evaluates those of `trial_ids` it trains and returns their losses."""
+        In a d-rank job each rank evaluates those of `trial_ids` it trains and returns their
+        losses; with a sharded base every rank must call it (it runs the base's forwards in lockstep)."""
         if self.ranks is None:
             adapters = [self.active[t] for t in (trial_ids if trial_ids is not None else list(self.active))]
             if not adapters or not self.eval_samples:
@@ -1065,7 +1073,7 @@ class PackedJob:
             members = [i for i, a in enumerate(adapters) if a.eval_samples is samples]
             for chunk in (samples[start : start + size] for start in range(0, len(samples), size)):
                 plan += [[(members[i], g) for i, g in parts] for parts in self._microbatches([chunk] * len(members))]
-        extra = self.ranks.max(len(plan)) - len(plan) if self.ranks is not None else 0  # the busiest rank's count
+        extra = self.ranks.max(len(plan)) - len(plan) if self.sharded else 0  # the busiest rank's count
         for parts in plan:
             index = [i for i, _ in parts]
             try:

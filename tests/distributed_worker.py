@@ -4,7 +4,7 @@ GPU. Under torchrun it spans the ranks; imported, `run_job` runs it in the test'
     python -m torch.distributed.run --nproc-per-node 2 --standalone tests/distributed_worker.py args.json
 
 args.json: {"model_dir", "train", "eval", "out", "scenario": "join_leave" | "plain" | "optuna", "kill_at": null |
-int, "microbatch_tokens": null | int, "journal": the Optuna journal file of "optuna"}.
+int, "microbatch_tokens": null | int, "shard_base": JobSpec.shard_base, "journal": the Optuna journal file of "optuna"}.
 Rank 0 writes to <out>/result.json the events it saw, the trials' owners and whether the base is
 sharded.
 """
@@ -40,7 +40,8 @@ JOINER = ls.TrialConfig(rank=8, alpha=16, learning_rate=2e-3, batch_size=1, max_
 def make_spec(args: dict) -> ls.JobSpec:
     return ls.JobSpec(base_model=args["model_dir"], train_data=args["train"], eval_data=args["eval"],
                       max_seq_len=32, eval_every=2, checkpoint_every=2, padding="max_seq_len",
-                      max_tokens_per_microbatch=args.get("microbatch_tokens"), output_dir=args["out"])
+                      max_tokens_per_microbatch=args.get("microbatch_tokens"), output_dir=args["out"],
+                      shard_base=args.get("shard_base", "auto"))
 
 
 class KilledAt(PackedJob):

@@ -127,15 +127,28 @@ def test_memory_terms(cm):
     assert terms["lora_activations"] == 64 * 4096 * shape.num_layers * 7 * 2  # S: tokens x rank per module
     assert terms["logits"] == cm.loss_chunk_tokens * shape.vocab_size * 4 * 2  # one chunk, not all tokens
     assert 3 * GB < terms["base_activations"] < 40 * GB
-    # on two GPUs (FSDP, each trial on one GPU): the trials' terms halve, a chunk of logits does
-    # not, and the weights halve but for the LM head and the two decoder layers held whole
-    halves = cm.memory_terms(4096, 64 * 4096, 64, num_gpus=2)
+    # on two GPUs (each trial on one GPU): the trials' terms halve, a chunk of logits does not;
+    # a 7B base (15 GB, under a quarter of 80 GB) stays whole on each GPU, unless told to shard:
+    # then (FSDP) its weights halve but for the LM head and the two decoder layers held whole
+    whole, halves = (dataclasses.replace(cm, shard_base=s).memory_terms(4096, 64 * 4096, 64, num_gpus=2)
+                     for s in ("auto", True))
     for k in ("adapter_states", "base_activations", "lora_activations"):
-        assert halves[k] == pytest.approx(terms[k] / 2)
-    assert halves["logits"] == terms["logits"]
+        assert whole[k] == halves[k] == pytest.approx(terms[k] / 2)
+    assert whole["logits"] == halves["logits"] == terms["logits"]
+    assert whole["weights"] == terms["weights"]
     head = shape.vocab_size * shape.hidden_size * 2
     layer = (shape.num_params * 2 - head) / shape.num_layers
     assert halves["weights"] == pytest.approx(terms["weights"] / 2 + head / 2 + layer)
+
+
+def test_a_base_over_a_quarter_of_a_gpu_is_sharded_on_several(cm):
+    assert not cm.shards_base(1) and not cm.shards_base(2)  # 15 GB of 80
+    assert CostModel.from_model("qwen2.5-7b", gpu="l4").shards_base(2)  # 15 GB of 24
+    assert CostModel.from_model("qwen2.5-32b", gpu="h200").shards_base(2)  # 66 GB of 141
+    assert not dataclasses.replace(cm, shard_base=True).shards_base(1)
+    # a whole base sends nothing between GPUs: no gathered bytes in its step time
+    assert cm.time_features(4096, 0, 1, 2)[5] == 0
+    assert dataclasses.replace(cm, shard_base=True).time_features(4096, 0, 1, 2)[5] > 0
 
 
 def test_logits_chunk_is_the_engines():
@@ -242,6 +255,7 @@ def _synthetic_stats(truth: CostModel, n: int, seed: int, gpus=(1, 2, 4)) -> lis
 
 
 def test_calibrate_recovers_known_coefficients(cm):
+    cm = dataclasses.replace(cm, shard_base=True)  # FSDP on 2 and 4 GPUs: the gathered bytes vary
     roof = np.array(cm.calibration.time_coefs)
     true_coefs = roof * np.array([0.6, 3.0, 1.4, 1.8, 2.5, 0.7])
     truth = dataclasses.replace(cm, calibration=Calibration(
@@ -284,6 +298,10 @@ def test_calibrate_on_one_job_predicts_that_job(cm):
         predicted = fitted.step_seconds(s["padded_tokens"], s["rank_tokens"], s["num_adapters"], 1)
         assert predicted == pytest.approx(s["seconds"], rel=1e-3)
     assert min(fitted.calibration.time_coefs) >= 0
+    # no step sent anything between GPUs: the link's rate keeps the roofline's proportion to the
+    # other rates (the first fit's one factor), not whatever the solver left in an unseen column
+    link = fitted.calibration.time_coefs[5] / cm.calibration.time_coefs[5]
+    assert 1 <= link < 10
 
 
 def test_calibrate_never_rates_the_gpu_above_its_peak(cm):

@@ -69,15 +69,18 @@ def assert_same_training(got: list[dict], want: list[dict]) -> None:
                 assert ((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() < 1e-4, (key(e), k)
 
 
-def test_two_ranks_train_what_one_trains_with_a_join_and_a_leave(base_args, tmp_path):
+@pytest.mark.parametrize("shard_base", ["auto", False])
+def test_two_ranks_train_what_one_trains_with_a_join_and_a_leave(base_args, tmp_path, shard_base):
     # two 32-token rows per microbatch: the ranks run different numbers of forwards per step
-    # (rank 0 with a and c: two for training, six per evaluation; rank 1 with b: one and three)
-    args = {**base_args, "scenario": "join_leave", "microbatch_tokens": 64}
+    # (rank 0 with a and c: two for training, six per evaluation; rank 1 with b: one and three),
+    # in lockstep with a sharded base, each at its own pace with a whole one
+    args = {**base_args, "scenario": "join_leave", "microbatch_tokens": 64, "shard_base": shard_base}
     one = in_process({**args, "out": str(tmp_path / "d1")})
     proc = torchrun({**args, "out": str(tmp_path / "d2")}, tmp_path / "args.json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "d2" / "result.json").read_text())
-    assert result["sharded"]  # the frozen base is FSDP2-sharded over the ranks
+    # CPU ranks share one memory: "auto" shards the frozen base with FSDP2; False keeps it whole on each
+    assert result["sharded"] == (shard_base == "auto")
     # a, c on rank 0 and b on rank 1; d joins (asked for on a's report) on rank 1, the emptier one,
     # and c on rank 0 leaves when b's report on rank 1 asks for it
     assert result["owners"] == {"a": 0, "b": 1, "c": 0, "d": 1}

@@ -326,8 +326,9 @@ class GraphedStep:
 
 def graphs_supported(job) -> bool:
     """Whether `job`'s steps can be captured: on CUDA, with the Triton kernels and packed
-    samples (the model attends within each sample without a mask). A quantized base is captured
-    too: bitsandbytes' dequantisation is kernels on the current stream."""
+    samples (the model attends within each sample without a mask), on a base that is not
+    quantized (bitsandbytes' dequantisation has not been checked under capture)."""
     from .kernels import uses_triton
 
-    return job.device.type == "cuda" and job.packed and uses_triton(job.lm_head_weight)
+    return (job.device.type == "cuda" and job.packed and uses_triton(job.lm_head_weight)
+            and not any(layer.quantized for layer in job.layers.values()))

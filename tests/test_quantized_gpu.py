@@ -54,7 +54,6 @@ def test_packed_on_an_nf4_base_trains_as_peft_qlora_alone(tmp_path):
         reference[cfg.trial_id], _ = train_alone_with_peft(model, cfg, job.train_samples, job.pad_id, device="cuda")
         del base, model
     assert all(len(v) == STEPS for v in packed.values())
-    assert any(s["graphed"] for s in job.step_stats)  # the dequantising step replays from CUDA graphs
     close(packed, reference, first=1e-2, drift=3e-2)
     for tid, losses in packed.items():
         assert losses[-1] < losses[0], tid

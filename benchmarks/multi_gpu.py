@@ -4,7 +4,9 @@ The same job (K adapters of rank 16 on all seven projections, batch 1, dropout 0
 varying length, a real architecture with random bf16 weights) runs on d = 1, 2, 4 GPUs, each
 d a ``torchrun --nproc-per-node d`` of this script's worker: the frozen base sharded with FSDP2
 or whole on each GPU (`JobSpec.shard_base`, `--shard-base`), each trial trained by one rank
-(lora_sweep/distributed.py). Every rank builds the same weights from the same seed, whole on
+(lora_sweep/distributed.py). Steps replay CUDA graphs at every d (`cuda_graphs=True`, so that
+no d's choice between graphs and eager steps colours the comparison) but where the base is
+sharded, which runs eagerly. Every rank builds the same weights from the same seed, whole on
 its GPU, before the job shards them or keeps them.
 
 Per d: the median step (host clock around each synchronised step, after warm-up), real
@@ -56,7 +58,8 @@ def worker(args) -> None:
     trials = [ls.TrialConfig(rank=16, alpha=32, learning_rate=1e-3, dropout=0.0, batch_size=1, max_steps=10**6,
                              seed=i, trial_id=f"t{i}") for i in range(args.k)]
     spec = dataclasses.replace(spec_for(model, rows, args.seq, device=device), eval_every=1,
-                               output_dir=args.work_dir, shard_base=SHARD_BASE[args.shard_base])
+                               output_dir=args.work_dir, shard_base=SHARD_BASE[args.shard_base],
+                               cuda_graphs=not args.dry)  # every d replays its steps, unless sharded (eager)
     if args.dry:
         spec = dataclasses.replace(spec, base_model=model)
     job = ls.PackedJob(spec, trials, progress=False)

@@ -171,6 +171,10 @@ class GraphedStep:
         if min(len(timings[False]), len(timings[True])) >= TRIAL_STEPS:
             rate = {k: sum(n for _, n in v) / max(sum(t for t, _ in v), 1e-9) for k, v in timings.items()}
             self.chosen[size] = rate[True] >= rate[False]
+            if not self.chosen[size]:  # eager from now on: the graphs' memory goes to eager steps
+                self.layouts.clear()
+                self.padding_s.clear()
+            torch.cuda.empty_cache()  # what the other kind of step cached
             logger.info("packs of %d-%d adapters train %.0f real tokens/s replayed from CUDA graphs and %.0f "
                         "eagerly: they run %s", 2 ** (size - 1), 2 ** size - 1, rate[True], rate[False],
                         "replayed" if self.chosen[size] else "eagerly")
@@ -305,8 +309,11 @@ class GraphedStep:
 
     def _capture(self, layout: _Layout) -> None:
         """Warm up (a forward and backward on a side stream, gradients dropped: it compiles what
-        is not compiled yet), then capture `_step`."""
+        is not compiled yet), then capture `_step`. Memory cached for other streams (eager steps,
+        the warm-up) goes back to the device first: the warm-up and the graphs' pool each need a
+        step's activations, and at long sequences two copies of them do not fit."""
         device = self.job.device
+        torch.cuda.empty_cache()
         main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
         with warnings.catch_warnings():
             # the adapters' AccumulateGrad nodes were made by eager steps on another stream; the
@@ -316,6 +323,7 @@ class GraphedStep:
             with torch.cuda.stream(side):
                 self._forward_backward(layout)
             main.wait_stream(side)
+            torch.cuda.empty_cache()
             graph = torch.cuda.CUDAGraph()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()

@@ -52,7 +52,7 @@ def test_unknown_field_from_a_tuner_dict():
 
 
 @pytest.mark.parametrize("name,value", [("max_seq_len", 1), ("eval_every", 0), ("dtype", "int8"),
-                                        ("padding", "left"), ("target_modules", ())])
+                                        ("padding", "left"), ("target_modules", ()), ("shard_base", "fsdp")])
 def test_bad_job_field(name, value):
     with pytest.raises(ls.ConfigError, match=f"`{name}`"):
         ls.JobSpec(base_model="x", train_data=[{"text": "a"}], **{name: value})

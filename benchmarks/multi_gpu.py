@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -53,14 +54,15 @@ def worker(args) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.manual_seed(0)  # every rank builds the same weights
-    model = tiny_model_path() if args.dry else build_model(args.model)  # a path: each rank reads its shard
+    # a path (the bundled tiny Llama, or --from-files' checkpoint): each rank reads its shard
+    model = args.checkpoint or (tiny_model_path() if args.dry else build_model(args.model))
     rows = synthetic_rows(512, args.seq, seed=0)
     trials = [ls.TrialConfig(rank=16, alpha=32, learning_rate=1e-3, dropout=0.0, batch_size=1, max_steps=10**6,
                              seed=i, trial_id=f"t{i}") for i in range(args.k)]
     spec = dataclasses.replace(spec_for(model, rows, args.seq, device=device), eval_every=1,
                                output_dir=args.work_dir, shard_base=SHARD_BASE[args.shard_base],
                                cuda_graphs=not args.dry)  # every d replays its steps, unless sharded (eager)
-    if args.dry:
+    if isinstance(model, str):
         spec = dataclasses.replace(spec, base_model=model)
     job = ls.PackedJob(spec, trials, progress=False)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -106,7 +108,8 @@ def run_on(d: int, args, work: str) -> dict:
            "-m", "benchmarks.multi_gpu", "--worker-out", out, "--model", args.model, "--seq", str(args.seq),
            "--k", str(args.k), "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--shard-base", args.shard_base,
-           "--work-dir", os.path.join(work, f"job{d}")] + (["--dry"] if args.dry else [])
+           "--work-dir", os.path.join(work, f"job{d}")] + (["--dry"] if args.dry else []) \
+        + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     if not args.dry:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(d)))
@@ -115,6 +118,38 @@ def run_on(d: int, args, work: str) -> dict:
         raise RuntimeError(f"d = {d} failed:\n{proc.stderr[-4000:]}")
     with open(out) as f:
         return json.load(f)
+
+
+def write_random_checkpoint(config, directory: str, device: str) -> float:
+    """`config`'s architecture with random bf16 weights (normal, std `initializer_range`; norms
+    1) as a safetensors checkpoint in `directory`: config.json, a file per decoder layer, one
+    for the rest, and their index, written a layer at a time, so the whole base never exists in
+    memory. A job over d ranks reads it back shard by shard (`distributed.materialize`), as it
+    reads a downloaded model. Returns the seconds it took."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    started = time.perf_counter()
+    os.makedirs(directory, exist_ok=True)
+    config.save_pretrained(directory)
+    with torch.device("meta"):
+        names = AutoModelForCausalLM.from_config(config).named_parameters()  # names and shapes only
+    files: dict[str, list] = {}
+    for name, param in names:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        files.setdefault(f"layer-{int(layer.group(1)):03d}.safetensors" if layer else "rest.safetensors",
+                         []).append((name, param.shape))
+    generator = torch.Generator(device).manual_seed(0)
+    std, weight_map = getattr(config, "initializer_range", 0.02), {}
+    for file, params in files.items():
+        tensors = {name: (torch.ones(shape, dtype=torch.bfloat16) if name.endswith("norm.weight") else
+                          (torch.randn(shape, generator=generator, device=device) * std).to(torch.bfloat16).cpu())
+                   for name, shape in params}
+        save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return time.perf_counter() - started
 
 
 def summarise(run: dict, args, shape, peak_tflops: float) -> dict:
@@ -157,11 +192,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--shard-base", default="auto", choices=sorted(SHARD_BASE),
                         help="JobSpec.shard_base of the job: auto keeps a base within a quarter of a GPU whole")
+    parser.add_argument("--from-files", action="store_true",
+                        help="write the random base as a safetensors checkpoint a layer at a time and load it from "
+                             "there, each rank reading its shard (for bases larger than one GPU)")
     parser.add_argument("--out", default="benchmarks/results/multi_gpu.json")
     parser.add_argument("--plot", help="a PNG of tokens/s and memory per GPU against d")
     parser.add_argument("--dry", action="store_true", help="CPU (gloo), the tiny Llama, K=3, 3 steps (tests)")
     parser.add_argument("--work-dir", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # set: this process is a rank of one run
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)  # --from-files' directory
     args = parser.parse_args(argv)
     if args.worker_out:
         worker(args)
@@ -187,6 +226,16 @@ def main(argv=None) -> dict:
     config = tiny_model_path() if args.dry else PRESETS[args.model]
     shape = ModelShape.from_config(config)
     with tempfile.TemporaryDirectory() as work:
+        written_s = None
+        if args.from_files:
+            from transformers import AutoConfig
+
+            args.checkpoint = os.path.join(work, "base")
+            fields = {} if args.dry else dict(PRESETS[args.model])
+            model_config = AutoConfig.from_pretrained(config) if args.dry else \
+                AutoConfig.for_model(fields.pop("model_type"), **fields)
+            written_s = write_random_checkpoint(model_config, args.checkpoint, "cpu" if args.dry else "cuda")
+            print(f"{args.model}: random checkpoint written in {written_s:.0f} s", flush=True)
         runs = {}
         for d in gpus:
             runs[d] = run_on(d, args, work)
@@ -198,7 +247,7 @@ def main(argv=None) -> dict:
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
                            "transformers": transformers.__version__, "lora_sweep": ls.__version__},
               "model": args.model, "seq": args.seq, "k": args.k, "rank": 16, "steps": args.steps,
-              "shard_base": args.shard_base,
+              "shard_base": args.shard_base, "from_files": args.from_files, "checkpoint_written_s": written_s,
               "warmup": args.warmup, "bf16_tflops": peak,
               "runs": [summarise(runs[d], args, shape, peak) for d in gpus],
               "losses": {d: runs[d]["losses"] for d in gpus}, "owners": {d: runs[d]["owners"] for d in gpus}}

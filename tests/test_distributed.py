@@ -246,11 +246,14 @@ def test_a_ray_pack_server_on_two_ranks_trains_what_one_process_trains(base_args
 
 
 def test_the_multi_gpu_benchmark_runs_on_cpu_ranks(tmp_path):
-    """`benchmarks/multi_gpu.py --dry`: the same job under torchrun on one process and on two
-    gloo ranks trains the same losses, and the cost model is fitted to both runs."""
+    """`benchmarks/multi_gpu.py --dry --from-files`: the tiny Llama's architecture written with
+    random weights a layer at a time, then the same job under torchrun on one process and on
+    two gloo ranks (each reading its shard of those files) trains the same losses, and the cost
+    model is fitted to both runs."""
     from benchmarks.multi_gpu import main
 
-    result = main(["--dry", "--gpus", "1,2", "--out", str(tmp_path / "multi_gpu.json")])
+    result = main(["--dry", "--from-files", "--gpus", "1,2", "--out", str(tmp_path / "multi_gpu.json")])
+    assert result["from_files"] and result["checkpoint_written_s"] > 0
     one, two = result["runs"]
     assert (one["d"], two["d"]) == (1, 2)
     assert two["loss_max_rel_diff"] < 1e-5

@@ -7,7 +7,9 @@ or whole on each GPU (`JobSpec.shard_base`, `--shard-base`), each trial trained 
 (lora_sweep/distributed.py). Steps replay CUDA graphs at every d (`cuda_graphs=True`, so that
 no d's choice between graphs and eager steps colours the comparison) but where the base is
 sharded, which runs eagerly. Every rank builds the same weights from the same seed, whole on
-its GPU, before the job shards them or keeps them.
+its GPU, before the job shards them or keeps them; with `--from-files` (a base larger than one
+GPU) they are written once as a safetensors checkpoint, a layer at a time, and each rank reads
+its shard of it.
 
 Per d: the median step (host clock around each synchronised step, after warm-up), real
 tokens/s summed over the ranks, MFU against d x the bf16 matmul rate measured in the same
@@ -94,8 +96,7 @@ def worker(args) -> None:
     if rank == 0:
         with open(args.worker_out, "w") as f:
             json.dump({"d": d, "seconds": seconds, "tokens": tokens, "rank_tokens": rank_tokens, "one_off": one_off,
-                       "losses": losses,
-                       "peak_memory_gb": peaks, "owners": job.ranks.owners if job.ranks else None,
+                       "losses": losses, "peak_memory_gb": peaks, "owners": job.ranks.owners if job.ranks else None,
                        "graphed": [s["graphed"] for s in job.step_stats], "sharded": job.sharded,
                        "lengths": [len(s) for s in job.train_samples[:256]]}, f)
     job.release_locks()

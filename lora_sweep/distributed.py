@@ -19,9 +19,9 @@ itself) and then
   boundary (one `all_gather_object`, with each rank's trial count) and are applied by every rank
   in the same order, so every rank knows every owner;
 - with a sharded base, keeps the ranks in lockstep, since FSDP all-gathers each layer in the
-  forward and in the backward: before a phase the ranks agree on its number of forwards, and a rank with fewer
-  (or no trials at all) runs the rest on a dummy row (one position, no adapters, a loss of
-  zero that still reaches every layer's backward);
+  forward and in the backward: before a phase the ranks agree on its number of forwards, and a
+  rank with fewer (or no trials at all) runs the rest on a dummy row (one position, no
+  adapters, a loss of zero that still reaches every layer's backward);
 - gathers every rank's events to rank 0 at each step boundary: rank 0's `run()` / `step()`
   yields them all, the other ranks yield nothing. Only events travel: adapters and
   checkpoints are written by their owner into the shared `output_dir` (one host). `trials`,

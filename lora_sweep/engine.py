@@ -260,9 +260,9 @@ class PackedJob:
 
     Under ``torchrun --nproc-per-node d`` the same script makes one job over the d ranks:
     the frozen base is sharded with FSDP2 or kept whole on each rank (`JobSpec.shard_base`),
-    each trial is trained by one rank, trials are
-    added and removed through rank 0 (calls on other ranks are ignored) at the next step
-    boundary, and rank 0 yields every rank's events (`lora_sweep.distributed`).
+    each trial is trained by one rank, trials are added and removed through rank 0 (calls on
+    other ranks are ignored) at the next step boundary, and rank 0 yields every rank's events
+    (`lora_sweep.distributed`).
 
     Example:
 

@@ -44,8 +44,9 @@ A tuner drives rank 0; the other ranks `follow` each run of the job. `rank_group
 starts such a job's ranks as processes of its own, for a tuner that keeps several
 (`PackedLoRASampler(devices=[[0, 1], [2, 3]])`). The cost model (lora_sweep/costmodel.py)
 describes this layout for the planner. Not built yet: tensor parallelism.
-Out-of-memory retries are not agreed between ranks: one rank's retry or eviction breaks the
-lockstep, and the job stops with a `PeerFailure` (at the latest on the timeout). CUDA graphs are
+Out-of-memory retries are not agreed between ranks: with a sharded base one rank's retry or
+eviction breaks the lockstep, and the job stops with a `PeerFailure` (at the latest on the
+timeout); with a whole base each rank retries on its own. CUDA graphs are
 off in a job with a sharded base.
 """
 

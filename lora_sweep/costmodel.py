@@ -904,16 +904,15 @@ def _ridge_fit(features: np.ndarray, target: np.ndarray, prior: np.ndarray, stre
     keeps its prior. Columns are normalised first, so the ridge strength is relative to the data."""
     from scipy.optimize import lsq_linear  # scipy comes with cvxpy
 
+    lower = np.zeros(len(prior)) if lower is None else np.asarray(lower, dtype=float)
     scale = np.linalg.norm(features, axis=0)
     unseen = scale == 0  # a term no step has (communication on one GPU): it keeps its prior, within bounds
     if unseen.any():
-        kept = np.maximum(prior, 0.0 if lower is None else np.asarray(lower, dtype=float))
-        coefs = kept.copy()
-        coefs[~unseen] = _ridge_fit(features[:, ~unseen], target, prior[~unseen], strength,
-                                    None if lower is None else np.asarray(lower, dtype=float)[~unseen])
+        coefs = np.maximum(prior, lower)
+        coefs[~unseen] = _ridge_fit(features[:, ~unseen], target, prior[~unseen], strength, lower[~unseen])
         return coefs
     a = features / scale  # unit columns; unknowns u = coefs * scale
-    low = (np.zeros(len(prior)) if lower is None else np.asarray(lower, dtype=float)) * scale
+    low = lower * scale
     weight = np.sqrt(strength)
     a_aug = np.vstack([a, weight * np.eye(len(prior))])
     b_aug = np.concatenate([target, weight * np.maximum(prior * scale, low)])  # a prior below the bound is lifted to it

@@ -315,9 +315,8 @@ class PackedJob:
             torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None)
         if self.sharded:
             distributed.shard_base(self.body)
-        if self.ranks is not None:
-            if on_meta:
-                self.lm_head_weight = distributed.materialize(self.model, spec.base_model, self.device, self.dtype)
+        if on_meta:
+            self.lm_head_weight = distributed.materialize(self.model, spec.base_model, self.device, self.dtype)
         # Microbatch layout. On CUDA samples are packed back to back in one row, no padding
         # waste, with an attention that keeps them apart (attention.packed_attention); a step
         # replayed from a CUDA graph packs them so too, then pads the row to a token bucket

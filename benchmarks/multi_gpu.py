@@ -15,8 +15,9 @@ Per d: the median step (host clock around each synchronised step, after warm-up)
 tokens/s summed over the ranks, MFU against d x the bf16 matmul rate measured in the same
 run, peak memory of each GPU, and every trial's loss at every step. The losses of d > 1 are
 compared with d = 1's: the same training, to bf16 rounding. Then the cost model: fitted to
-the d = 1 steps only, it predicts the d > 1 step, which is compared with the measured one;
-fitted to every run, it is what the planner uses for jobs over several GPUs.
+the smallest d's steps only, it predicts the larger d's step; fitted to every run, it is what
+the planner uses for jobs over several GPUs. A prediction is compared with the mean of the
+timed steps, what a plan's makespan adds up (and, in the JSON, with their median too).
 
     python -m benchmarks.multi_gpu --model qwen2.5-7b --seq 1024 --k 16 --gpus 1,2 --out multi_gpu.json
 
@@ -162,7 +163,9 @@ def summarise(run: dict, args, shape, peak_tflops: float) -> dict:
     mean_len = statistics.mean(run["lengths"])
     rank_tokens = statistics.mean(run["rank_tokens"][i] for i in timed)
     step_flops = flops(shape, [mean_len] * round(tokens / mean_len), rank_tokens)
-    return {"d": run["d"], "median_step_s": step, "tokens_per_step": tokens, "tokens_per_s": tokens / step,
+    return {"d": run["d"], "median_step_s": step, "mean_step_s": statistics.mean(run["seconds"][i] for i in timed),
+            "tokens_per_step": tokens, "tokens_per_s": tokens / step,
+            "max_tokens_per_step": max(run["tokens"][args.warmup:]),
             "mfu": step_flops / step / (run["d"] * peak_tflops * 1e12) if peak_tflops else None,
             "peak_memory_gb": run["peak_memory_gb"], "graphed_steps": sum(run["graphed"][i] for i in timed),
             "timed_steps": len(timed), "sharded": run["sharded"]}
@@ -260,20 +263,22 @@ def main(argv=None) -> dict:
     base = CostModel.from_model(config, gpu=detect("cpu" if args.dry else None), max_seq_len=args.seq,
                                 mean_sample_tokens=mean_len)
     fits = {"all": [s for d in gpus for s in step_stats(runs[d], args)]}
-    if 1 in runs and len(gpus) > 1:
-        fits["d=1"] = step_stats(runs[1], args)
+    if len(gpus) > 1:  # the smallest d alone: the larger ones are predicted out of sample
+        fits[f"d={gpus[0]}"] = step_stats(runs[gpus[0]], args)
     result["cost_model"] = {}
     for name, stats in fits.items():
         cm = calibrate(base, stats)
         result["cost_model"][name] = {
             "calibration": cm.calibration.describe(), "coefficients": dataclasses.asdict(cm.calibration),
             "predicted": {d: {"step_s": cm.step_seconds(r["tokens_per_step"], 16 * r["tokens_per_step"], args.k, d),
-                              "memory_gb": cm.peak_memory(args.k * args.seq, 16 * args.k * args.seq, 16 * args.k, d)
-                              / 2**30}
+                              # the peak comes with the run's largest step
+                              "memory_gb": cm.peak_memory(r["max_tokens_per_step"], 16 * r["max_tokens_per_step"],
+                                                          16 * args.k, d) / 2**30}
                           for d, r in zip(gpus, result["runs"])}}
         for d, r in zip(gpus, result["runs"]):
             p = result["cost_model"][name]["predicted"][d]
-            p["step_error"] = p["step_s"] / r["median_step_s"] - 1
+            p["step_error"] = p["step_s"] / r["mean_step_s"] - 1  # a plan's makespan sums steps: their mean
+            p["median_step_error"] = p["step_s"] / r["median_step_s"] - 1
             p["memory_error"] = p["memory_gb"] / max(r["peak_memory_gb"]) - 1 if max(r["peak_memory_gb"]) else None
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -285,8 +290,10 @@ def main(argv=None) -> dict:
     for r in result["runs"]:
         preds = " ".join(f"{result['cost_model'][n]['predicted'][r['d']]['step_error']:>+12.1%}"
                          for n in result["cost_model"])
-        print(f"{r['d']:>2} {r['tokens_per_s']:>9,.0f} {r.get('speedup', float('nan')):>6.2f}x {r['mfu'] or 0:>6.1%} "
-              f"{max(r['peak_memory_gb']):>7.1f} {r.get('loss_max_rel_diff', float('nan')):>9.1e} {preds}")
+        speedup = f"{r['speedup']:>6.2f}x" if "speedup" in r else f"{'-':>7}"
+        loss = f"{r['loss_max_rel_diff']:>9.1e}" if "loss_max_rel_diff" in r else f"{'-':>9}"
+        print(f"{r['d']:>2} {r['tokens_per_s']:>9,.0f} {speedup} {r['mfu'] or 0:>6.1%} "
+              f"{max(r['peak_memory_gb']):>7.1f} {loss} {preds}")
     return result
 
 

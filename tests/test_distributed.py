@@ -260,3 +260,15 @@ def test_the_multi_gpu_benchmark_runs_on_cpu_ranks(tmp_path):
     assert sorted(set(result["owners"][2].values())) == [0, 1]
     assert set(result["cost_model"]) == {"all", "d=1"}
     assert all(p["step_s"] > 0 for p in result["cost_model"]["all"]["predicted"].values())
+
+
+def test_the_base_layouts_benchmark_computes_the_same_gradient_three_ways(tmp_path):
+    """`benchmarks/base_parallelism.py --dry`: the tiny Llama's layers on two gloo ranks, whole,
+    under FSDP2 and under tensor parallelism, give rank 0's rows the same input gradient."""
+    from benchmarks.base_parallelism import main
+
+    result = main(["--dry", "--out", str(tmp_path / "base_parallelism.json")])
+    (run,) = result["runs"]
+    assert run["d"] == 2 and set(run["layouts"]) == {"whole", "fsdp", "tp"}
+    for layout, r in run["layouts"].items():
+        assert r["tokens_per_s"] > 0 and r["grad_rel_diff"] < 1e-5, layout

@@ -822,8 +822,8 @@ class PackedJob:
         except GraphCaptureError as e:
             warnings.warn(f"{e}; this job goes on without CUDA graphs.", stacklevel=3)
             self.graphed_step = None
-            torch.cuda.empty_cache()
-            return None
+        torch.cuda.empty_cache()  # the graphs' memory, once the error and what it held are gone
+        return None
 
     def _forward_backward(self, adapters: list[_Adapter], groups: list[list[Sample]]):
         """Per-adapter loss sums and loss-token counts of this micro-step, with each adapter's

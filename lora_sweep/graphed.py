@@ -24,7 +24,9 @@ seeds; each adapter's loss weight, lr, step count and whether it steps; the kern
 from pinned memory, a copy per buffer; after it, one copy brings back each adapter's loss
 sum and gradient norm. A join or leave changes the frame: the graphs are dropped and the next
 step captures again (a warm-up forward/backward, then the capture: about two eager steps).
-The graphs of all buckets share one memory pool, since one runs at a time.
+The graphs of all buckets share one memory pool, since one runs at a time. A smaller bucket's
+capture reuses a larger one's blocks, but not the other way round: a capture that runs out of
+memory beside other buckets' graphs drops them and captures its bucket alone, once.
 
 With `cuda_graphs="auto"` a job times `TRIAL_STEPS` eager and `TRIAL_STEPS` replayed steps
 for each size of pack (adapters in [2^k, 2^(k+1))), leaving out steps that compile or capture,
@@ -199,11 +201,19 @@ class GraphedStep:
         self._stage(layout, groups, stepping)
         self.captured = new and self.capture
         if self.captured:
-            try:
-                self._capture(layout)
-            except Exception as e:  # noqa: BLE001 - whatever stops a capture sends the job back to eager steps
+            error = self._capture_or_error(layout)
+            if isinstance(error, torch.OutOfMemoryError) and self.layouts:
+                # The pool keeps the other buckets' blocks, and a larger bucket's tensors do not
+                # fit in them: drop those graphs (later captures of smaller buckets reuse this
+                # one's blocks) and capture this bucket alone.
                 self.layouts.clear()
-                raise GraphCaptureError(f"capturing the training step in a CUDA graph failed: {e}") from e
+                self.padding_s.clear()
+                self.pool = None
+                torch.cuda.empty_cache()
+                error = self._capture_or_error(layout)
+            if error is not None:  # whatever stops a capture sends the job back to eager steps
+                self.layouts.clear()
+                raise GraphCaptureError(f"capturing the training step in a CUDA graph failed: {error}") from error
             self.captures += 1
         self.layouts[tokens] = layout
         if layout.graph is not None:
@@ -306,6 +316,15 @@ class GraphedStep:
         norms = self.job.optimizer.step_on_device([a.trial_id for a in layout.adapters], layout.table[:, 1:], sums)
         layout.out[0].copy_(sums)
         layout.out[1].copy_(norms)
+
+    def _capture_or_error(self, layout: _Layout) -> Optional[Exception]:
+        """`_capture(layout)`; what stopped it, if anything, without its traceback, whose frames
+        would keep the failed capture's tensors alive."""
+        try:
+            self._capture(layout)
+        except Exception as e:  # noqa: BLE001 - the caller decides
+            return e.with_traceback(None)
+        return None
 
     def _capture(self, layout: _Layout) -> None:
         """Warm up (a forward and backward on a side stream, gradients dropped: it compiles what

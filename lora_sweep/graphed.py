@@ -202,7 +202,7 @@ class GraphedStep:
         self.captured = new and self.capture
         if self.captured:
             error = self._capture_or_error(layout)
-            if isinstance(error, torch.OutOfMemoryError) and self.layouts:
+            if self.layouts and any(isinstance(e, torch.OutOfMemoryError) for e in _chain(error)):
                 # The pool keeps the other buckets' blocks, and a larger bucket's tensors do not
                 # fit in them: drop those graphs (later captures of smaller buckets reuse this
                 # one's blocks) and capture this bucket alone.
@@ -318,12 +318,14 @@ class GraphedStep:
         layout.out[1].copy_(norms)
 
     def _capture_or_error(self, layout: _Layout) -> Optional[Exception]:
-        """`_capture(layout)`; what stopped it, if anything, without its traceback, whose frames
-        would keep the failed capture's tensors alive."""
+        """`_capture(layout)`; what stopped it, if anything, without tracebacks (theirs and those
+        of the errors it was raised in), whose frames would keep the failed capture's tensors."""
         try:
             self._capture(layout)
         except Exception as e:  # noqa: BLE001 - the caller decides
-            return e.with_traceback(None)
+            for error in _chain(e):
+                error.__traceback__ = None
+            return e
         return None
 
     def _capture(self, layout: _Layout) -> None:
@@ -349,6 +351,13 @@ class GraphedStep:
             with torch.cuda.graph(graph, pool=self.pool):
                 self._step(layout)
         layout.graph = graph
+
+
+def _chain(error: Optional[BaseException]):
+    """`error` and the errors it was raised while handling, innermost last."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
 
 
 def graphs_supported(job) -> bool:

@@ -32,14 +32,11 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ("whole", "fsdp", "tp")
 COLUMNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWS = ("self_attn.o_proj", "mlp.down_proj")
@@ -140,19 +137,11 @@ def worker(args) -> None:
 
 def run_on(d: int, args, work: str) -> dict:
     """The worker on `d` ranks under torchrun; its rank 0's results."""
-    out = os.path.join(work, f"d{d}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(d),
-           "-m", "benchmarks.base_parallelism", "--worker-out", out, "--model", args.model,
-           "--layers", str(args.layers), "--tokens", str(args.tokens), "--seq", str(args.seq),
-           "--warmup", str(args.warmup), "--steps", str(args.steps)] + (["--dry"] if args.dry else [])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    if not args.dry:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(d)))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"d = {d} failed:\n{proc.stderr[-4000:]}")
-    with open(out) as f:
-        return json.load(f)
+    from benchmarks.multi_gpu import torchrun_worker
+
+    arguments = ["--model", args.model, "--layers", str(args.layers), "--tokens", str(args.tokens),
+                 "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    return torchrun_worker("benchmarks.base_parallelism", d, arguments, os.path.join(work, f"d{d}.json"), args.dry)
 
 
 def main(argv=None) -> dict:

@@ -105,15 +105,20 @@ def worker(args) -> None:
 
 def run_on(d: int, args, work: str) -> dict:
     """The worker on `d` GPUs under torchrun; its rank 0's results."""
-    out = os.path.join(work, f"d{d}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(d),
-           "-m", "benchmarks.multi_gpu", "--worker-out", out, "--model", args.model, "--seq", str(args.seq),
-           "--k", str(args.k), "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--shard-base", args.shard_base,
-           "--work-dir", os.path.join(work, f"job{d}")] + (["--dry"] if args.dry else []) \
+    arguments = ["--model", args.model, "--seq", str(args.seq), "--k", str(args.k), "--warmup", str(args.warmup),
+                 "--steps", str(args.steps), "--shard-base", args.shard_base,
+                 "--work-dir", os.path.join(work, f"job{d}")] \
         + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
+    return torchrun_worker("benchmarks.multi_gpu", d, arguments, os.path.join(work, f"d{d}.json"), args.dry)
+
+
+def torchrun_worker(module: str, d: int, arguments: list[str], out: str, dry: bool) -> dict:
+    """``python -m module --worker-out out *arguments`` on d ranks under torchrun (GPUs 0 to
+    d - 1, or CPU ranks with `dry`, which it passes on as `--dry`): the JSON its rank 0 wrote."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(d),
+           "-m", module, "--worker-out", out, *arguments] + (["--dry"] if dry else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    if not args.dry:
+    if not dry:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(d)))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -188,6 +188,11 @@ def test_auto_keeps_the_step_that_trains_faster(tiny_llama_dir, toy_data, tmp_pa
     assert graphed == [False] * (TRIAL_STEPS + 1) + [True] * TRIAL_STEPS + [choice] * 2
 
 
+def _two_trials(tiny_llama_dir, toy_data, path) -> PackedJob:
+    return PackedJob(make_spec(tiny_llama_dir, toy_data, path, eval_every=100, padding="packed"), four_trials()[:2],
+                     progress=False)
+
+
 def test_a_failed_capture_sends_the_job_back_to_eager_steps(tiny_llama_dir, toy_data, tmp_path, monkeypatch):
     """A capture that raises (out of memory, an op a graph cannot hold) trains nothing: the job
     warns, drops its graphs and takes that step and the next ones eagerly, as a job without them."""
@@ -197,8 +202,7 @@ def test_a_failed_capture_sends_the_job_back_to_eager_steps(tiny_llama_dir, toy_
     monkeypatch.setattr(GraphedStep, "_capture", capture_fails)
     weights = []
     for graphs in (False, True):
-        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphs), eval_every=100, padding="packed"),
-                        four_trials()[:2], progress=False)
+        job = _two_trials(tiny_llama_dir, toy_data, tmp_path / str(graphs))
         if graphs:
             job.graphed_step = GraphedStep(job)
             with pytest.warns(UserWarning, match="capturing the training step in a CUDA graph failed: CUDA out of"):
@@ -225,8 +229,7 @@ def test_a_capture_out_of_memory_beside_other_graphs_drops_them_and_captures_alo
     monkeypatch.setattr(GraphedStep, "_capture", capture_fails_beside_others)
     weights = []
     for graphs in (False, True):
-        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphs), eval_every=100, padding="packed"),
-                        four_trials()[:2], progress=False)
+        job = _two_trials(tiny_llama_dir, toy_data, tmp_path / str(graphs))
         if graphs:
             job.graphed_step = GraphedStep(job)
         with warnings.catch_warnings():

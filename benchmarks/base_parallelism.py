@@ -47,12 +47,12 @@ TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_atten
 def build_body(args, device: str, dtype: torch.dtype):
     """The decoder (`.layers`, `.rotary_emb`) of `--model` cut to `--layers` layers, random
     weights from one seed (the same on every rank), frozen."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from benchmarks.sweep_gpu import config_of
     from lora_sweep.costmodel import PRESETS
 
-    fields = dict(TINY if args.dry else PRESETS[args.model], num_hidden_layers=args.layers)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config = config_of(TINY if args.dry else PRESETS[args.model], num_hidden_layers=args.layers)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):

@@ -239,10 +239,10 @@ def main(argv=None) -> dict:
         if args.from_files:
             from transformers import AutoConfig
 
+            from benchmarks.sweep_gpu import config_of
+
             args.checkpoint = os.path.join(work, "base")
-            fields = {} if args.dry else dict(PRESETS[args.model])
-            model_config = AutoConfig.from_pretrained(config) if args.dry else \
-                AutoConfig.for_model(fields.pop("model_type"), **fields)
+            model_config = AutoConfig.from_pretrained(config) if args.dry else config_of(PRESETS[args.model])
             written_s = write_random_checkpoint(model_config, args.checkpoint, "cpu" if args.dry else "cuda")
             print(f"{args.model}: random checkpoint written in {written_s:.0f} s", flush=True)
         runs = {}

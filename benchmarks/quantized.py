@@ -31,7 +31,7 @@ from torch import nn
 
 import lora_sweep as ls
 from benchmarks.peers import _version, _write
-from benchmarks.sweep_gpu import PROJECTIONS
+from benchmarks.sweep_gpu import PROJECTIONS, config_of
 from lora_sweep.costmodel import PRESETS, ModelShape
 
 # the presets, and a shape of the bundled tokenizer's vocabulary for `--dry`
@@ -44,10 +44,9 @@ def build_quantized(name: str, quantization: str, device: str, dtype: torch.dtyp
     linears bitsandbytes `Linear4bit` of `quantization` ("nf4" or "fp4") with `dtype` as their
     compute dtype, built on the meta device and materialised one layer at a time."""
     import bitsandbytes as bnb
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    fields = dict(SHAPES[name])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config = config_of(SHAPES[name])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     torch.manual_seed(0)

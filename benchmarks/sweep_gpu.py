@@ -57,12 +57,20 @@ MIXED_RANKS = [8, 16, 32, 64, 128, 8, 16, 32, 64, 128, 16, 32, 8, 64, 16, 128]  
 # --------------------------------------------------------------------------- set-up
 
 
+def config_of(fields: dict, **overrides):
+    """A transformers config from a shape's fields (`model_type` and the config's own, as in
+    `lora_sweep.costmodel.PRESETS`), with `overrides` on top."""
+    from transformers import AutoConfig
+
+    fields = {**fields, **overrides}
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
 def build_model(name: str) -> nn.Module:
     """A real architecture from its config, random bf16 weights, on the GPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    fields = dict(PRESETS[name])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config = config_of(PRESETS[name])
     config._attn_implementation = "sdpa"
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

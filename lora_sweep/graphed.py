@@ -174,8 +174,7 @@ class GraphedStep:
             rate = {k: sum(n for _, n in v) / max(sum(t for t, _ in v), 1e-9) for k, v in timings.items()}
             self.chosen[size] = rate[True] >= rate[False]
             if not self.chosen[size]:  # eager from now on: the graphs' memory goes to eager steps
-                self.layouts.clear()
-                self.padding_s.clear()
+                self._drop_graphs()
             torch.cuda.empty_cache()  # what the other kind of step cached
             logger.info("packs of %d-%d adapters train %.0f real tokens/s replayed from CUDA graphs and %.0f "
                         "eagerly: they run %s", 2 ** (size - 1), 2 ** size - 1, rate[True], rate[False],
@@ -191,8 +190,7 @@ class GraphedStep:
         those `stepping`: (each adapter's loss sum, each one's gradient norm before clipping).
         Raises `GraphCaptureError` if a new layout cannot be captured (nothing trained then)."""
         if self.layouts and not next(iter(self.layouts.values())).matches(adapters, groups):
-            self.layouts.clear()  # the adapters changed: every graph is stale
-            self.padding_s.clear()
+            self._drop_graphs()  # the adapters changed: every graph is stale
         tokens = self.last_tokens = self._bucket_to_run(groups)
         layout = self.layouts.get(tokens)
         new = layout is None
@@ -206,13 +204,12 @@ class GraphedStep:
                 # The pool keeps the other buckets' blocks, and a larger bucket's tensors do not
                 # fit in them: drop those graphs (later captures of smaller buckets reuse this
                 # one's blocks) and capture this bucket alone.
-                self.layouts.clear()
-                self.padding_s.clear()
+                self._drop_graphs()
                 self.pool = None
                 torch.cuda.empty_cache()
                 error = self._capture_or_error(layout)
             if error is not None:  # whatever stops a capture sends the job back to eager steps
-                self.layouts.clear()
+                self._drop_graphs()
                 raise GraphCaptureError(f"capturing the training step in a CUDA graph failed: {error}") from error
             self.captures += 1
         self.layouts[tokens] = layout
@@ -316,6 +313,11 @@ class GraphedStep:
         norms = self.job.optimizer.step_on_device([a.trial_id for a in layout.adapters], layout.table[:, 1:], sums)
         layout.out[0].copy_(sums)
         layout.out[1].copy_(norms)
+
+    def _drop_graphs(self) -> None:
+        """Forget every layout and its graph, and what padding into them has cost."""
+        self.layouts.clear()
+        self.padding_s.clear()
 
     def _capture_or_error(self, layout: _Layout) -> Optional[Exception]:
         """`_capture(layout)`; what stopped it, if anything, without tracebacks (theirs and those

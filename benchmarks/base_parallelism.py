@@ -8,8 +8,9 @@ adapters' gradients need no weight gradient) through the decoder layers. This ru
 per d of `--gpus`):
 
 * whole  every rank holds the layers and runs its own T / d tokens: nothing crosses GPUs
-* fsdp   `fully_shard` on each layer; each rank runs its own T / d tokens and gathers each
-         layer's weights in the forward and again in the backward (the engine's sharded base)
+* fsdp   the engine's `shard_base` (`fully_shard` on each layer, then on the body); each rank
+         runs its own T / d tokens and gathers each layer's weights in the forward and again
+         in the backward
 * tp     `parallelize_module`: q, k, v, gate and up split by output columns, o and down by
          input rows; every rank runs all T tokens on its 1/d of each weight and all-reduces
          each layer's activations twice in the forward and twice in the backward
@@ -45,7 +46,7 @@ TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_atten
 
 
 def build_body(args, device: str, dtype: torch.dtype):
-    """The decoder (`.layers`, `.rotary_emb`) of `--model` cut to `--layers` layers, random
+    """The decoder (embeddings, `.layers`, final norm) of `--model` cut to `--layers` layers, random
     weights from one seed (the same on every rank), frozen."""
     from transformers import AutoModelForCausalLM
 
@@ -61,13 +62,15 @@ def build_body(args, device: str, dtype: torch.dtype):
 
 
 def lay_out(body, layout: str, mesh) -> None:
-    """Shard `body`'s layers in place as `layout` says ("whole" leaves them)."""
-    from torch.distributed.fsdp import fully_shard
+    """Shard `body`'s layers in place as `layout` says ("whole" leaves them). FSDP2 is the
+    engine's own `shard_base`: with the body as FSDP's root, each layer's weights are freed after
+    its forward and gathered again for its backward."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from lora_sweep.distributed import shard_base
+
     if layout == "fsdp":
-        for layer in body.layers:
-            fully_shard(layer, mesh=mesh)
+        shard_base(body)
     elif layout == "tp":
         plan = {**{name: ColwiseParallel() for name in COLUMNS}, **{name: RowwiseParallel() for name in ROWS}}
         for layer in body.layers:
@@ -78,10 +81,7 @@ def base_step(body, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     """The base's part of a training step: forward through the layers, backward to the input.
     Returns the input's gradient."""
     x = hidden.detach().requires_grad_(True)
-    h, rotary = x, body.rotary_emb(x, positions)
-    for layer in body.layers:
-        h = layer(h, position_embeddings=rotary, position_ids=positions)
-        h = h[0] if isinstance(h, tuple) else h
+    h = body(inputs_embeds=x, position_ids=positions, use_cache=False).last_hidden_state
     (grad,) = torch.autograd.grad(h, x, grad_outputs=torch.ones_like(h))
     return grad
 

@@ -476,7 +476,7 @@ def peft_colocated(model_name, configs, seq, probe_runs: list[dict], log) -> dic
                                                                                                   f"-{attempt}"))
             except RuntimeError as err:
                 failures.append(str(err))
-                log(f"  {str(err)[:300]}")
+                log(f"  {str(err)[:60]} ... {str(err)[-300:]}")  # the trial, and the error's last lines
         return None
 
     with tempfile.TemporaryDirectory() as out_dir:

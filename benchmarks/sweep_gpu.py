@@ -523,8 +523,11 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     stats = []
     for members in ([0], [5], [4], [0, 1, 2], [3, 6, 7], [5, 6], [0, 1, 2, 3, 4, 5], list(range(8)), [8, 9],
                     [4, 5, 7, 8, 9]):
+        t1 = time.perf_counter()
         job = ls.PackedJob(spec, [probe[i] for i in members], progress=False)
         stats += profile_job(job, steps=3, warmup=2)
+        log(f"probe job {members}: {time.perf_counter() - t1:.1f} s, steps "
+            + " ".join(f"{st['seconds']:.3f}{'*' if st.get('one_off') else ''}" for st in job.step_stats))
         job.release_locks()  # the next probe job trains some of the same trial ids
         del job
         strip_adapters(model)
@@ -545,6 +548,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
         strip_adapters(model)
     packed_cm = calibrate(base_cm, stats, trial_seconds=packed_trial_s)
     log(f"packed engine calibrated: {packed_cm.calibration.describe()}")
+    keep({"probe_steps": {"packed": stats}})
 
     # calibrate one-trial-at-a-time PEFT from its own steps, and its time outside them
     peft_probes = probe[:4]
@@ -604,6 +608,7 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
               "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1},
               "packed_model_build_s": build_s,
               "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs],
+              "probe_steps": {"packed": stats}, "measured_steps": measured_steps,
               "calibration": {"packed": packed_cm.calibration.describe(), "peft": peft_cm.calibration.describe()}}
     keep(result)
     t0 = time.perf_counter()

@@ -57,7 +57,7 @@ GB = 1e9  # every "GB" in this package is 10^9 bytes (GPU vendors' unit)
 
 __all__ = [
     "GPU", "GPUS", "PRESETS", "Calibration", "CostModel", "ModelShape",
-    "calibrate", "detect", "gpu_profile", "job_memory_model", "model_config_fields", "profile_job",
+    "calibrate", "detect", "gpu_profile", "job_memory_model", "model_config_fields", "profile_job", "typical_steps",
 ]
 
 
@@ -838,7 +838,8 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
             ``seconds``, ``rank_sum`` (the ranks of the step's adapters, summed) and
             ``peak_memory_bytes`` (None on CPU: then memory is not fitted); ``num_gpus`` in a
             dict overrides the argument. Steps marked ``one_off`` (a CUDA graph captured in
-            them) are left out: their time is mostly the capture.
+            them) are left out: their time is mostly the capture; so are those marked
+            ``choosing`` (``cuda_graphs="auto"`` timing the kind of step the job may not keep).
         num_gpus:
             GPUs of the profiled job.
         trial_seconds:
@@ -848,10 +849,10 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
     Returns:
         A copy of `cost_model` with the fitted `Calibration`.
     """
-    step_stats = [s for s in step_stats if not s.get("one_off")]
+    step_stats = [s for s in step_stats if not s.get("one_off") and not s.get("choosing")]
     if len(step_stats) < 2:
-        raise ValueError(f"The length of `step_stats` is {len(step_stats)} (one-off steps left out), but must be "
-                         f"at least 2.")
+        raise ValueError(f"The length of `step_stats` is {len(step_stats)} (one-off and choosing steps left out), "
+                         f"but must be at least 2.")
     cal = dataclasses.replace(cost_model.calibration, source=f"calibrated from {len(step_stats)} steps")
     if trial_seconds is not None:
         if trial_seconds < 0:
@@ -922,14 +923,31 @@ def _ridge_fit(features: np.ndarray, target: np.ndarray, prior: np.ndarray, stre
 # --------------------------------------------------------------------------- profiling
 
 
+STALL_FACTOR = 3.0  # a step this many times the median of its job's others is a stall, not a step
+
+
+def typical_steps(step_stats: Sequence[Mapping[str, Any]]) -> list:
+    """The steps of one job that say how long its steps take: those that are not ``one_off``
+    (a CUDA graph captured in them), not ``choosing`` (``cuda_graphs="auto"`` still timing
+    eager steps against replayed ones: the job then runs only one kind), and not stalls (over
+    `STALL_FACTOR` times the median of the rest: a kernel compiled for a new shape inside the
+    step takes seconds)."""
+    steps = [s for s in step_stats if not s.get("one_off") and not s.get("choosing")]
+    if len(steps) < 3:
+        return steps
+    median = float(np.median([s["seconds"] for s in steps]))
+    return [s for s in steps if s["seconds"] <= STALL_FACTOR * median]
+
+
 def profile_job(job: Any, steps: int = 10, *, warmup: int = 1) -> list[dict]:
     """Run a `PackedJob` for a few steps and return their stats for `calibrate`.
 
     The engine records one dict per step in ``job.step_stats`` (tokens, rank-tokens, the
     ranks of the adapters in the step, wall time, peak memory); this runs ``job.step()``,
-    drops the first `warmup` steps (allocations, kernel compilation) and returns the next
-    `steps` that are not ``one_off`` (a step that captured a CUDA graph for a new token
-    bucket), running up to ``2 * steps`` more to find them.
+    drops the first `warmup` steps (allocations, kernel compilation) and returns the first
+    `steps` of the rest that `typical_steps` keeps (not captures, not timed for
+    ``cuda_graphs="auto"``'s choice, not stalls), running up to ``3 * steps + 8`` more to
+    find them.
 
     Example:
 
@@ -950,13 +968,11 @@ def profile_job(job: Any, steps: int = 10, *, warmup: int = 1) -> list[dict]:
     Returns:
         The step stats, one dict per step.
     """
-    start = len(job.step_stats)
-    stats = []
-    while len(stats) < steps and len(job.step_stats) < start + warmup + 3 * steps and job.trials:
-        before = len(job.step_stats)
+    first = len(job.step_stats) + warmup
+    last = first + 3 * steps + 8  # room for the eager and replayed steps "auto" times
+    while len(typical_steps(job.step_stats[first:])) < steps and len(job.step_stats) < last and job.trials:
         job.step()
-        stats += [s for s in job.step_stats[max(before, start + warmup):] if not s.get("one_off")]
-    stats = stats[:steps]
+    stats = typical_steps(job.step_stats[first:])[:steps]
     if len(stats) < steps:
         warnings.warn(f"The job finished after {len(stats)} profiled steps, fewer than the {steps} asked for.")
     return stats

@@ -784,13 +784,14 @@ class PackedJob:
             self.optimizer.zero_grad([a.trial_id for a in ok])
 
         seconds = time.perf_counter() - t0
-        timed = True
+        timed, choosing = True, False
         if self.graphed_step is not None:  # the job's first step and a capture compile: not timed
             timed = not self.graphed_step.captured if graphed is not None else bool(self.step_stats)
+            choosing = self.graphed_step.choosing(len(adapters))
             self.graphed_step.record(len(adapters), graphed is not None, seconds,
                                      sum(len(s) for g in groups for s in g), timed)
         self._record_stats(adapters, groups, padded_tokens, microbatches, seconds, gpu_wait_s, graphed is not None,
-                           one_off=not timed)
+                           one_off=not timed, choosing=choosing)
         for a, group, v in zip(adapters, groups, mean_values):
             a.micro_steps += 1
             a.tokens += sum(len(s) for s in group)
@@ -1024,7 +1025,7 @@ class PackedJob:
         self._events.append(Finished(a.trial_id, a.step, metrics, path))
 
     def _record_stats(self, adapters, groups, padded_tokens, microbatches, seconds, gpu_wait_s, graphed,
-                      one_off=False) -> None:
+                      one_off=False, choosing=False) -> None:
         self.step_stats.append({
             "tokens": sum(len(s) for g in groups for s in g),  # real (non-padding) tokens
             "padded_tokens": padded_tokens,
@@ -1034,6 +1035,7 @@ class PackedJob:
             "microbatches": microbatches,
             "graphed": graphed,  # replayed from a CUDA graph
             "one_off": one_off,  # the step captured a CUDA graph (or compiled the job's first): not typical
+            "choosing": choosing,  # cuda_graphs="auto" still timing eager and replayed steps of this pack size
             "gpu_wait_s": gpu_wait_s,  # of `seconds`, what the host waited for the GPU at the step's end
             "seconds": seconds,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,

@@ -156,6 +156,11 @@ class GraphedStep:
             return self.chosen[size]
         return len(self.timings.get(size, {}).get(False, ())) >= TRIAL_STEPS
 
+    def choosing(self, n_adapters: int) -> bool:
+        """Whether steps of `n_adapters` are still timed for the choice between eager and
+        replayed steps (`cuda_graphs="auto"`), so that neither kind is yet the job's own."""
+        return self.choose and n_adapters.bit_length() not in self.chosen
+
     def record(self, n_adapters: int, replayed: bool, seconds: float, tokens: int, timed: bool) -> None:
         """A finished step: a capture's time and a padded step's waste (`_bucket_to_run`), and,
         when choosing, its rate; `timed` is False for a step that compiled kernels or captured a

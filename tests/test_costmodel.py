@@ -284,8 +284,25 @@ def test_calibrate_leaves_out_steps_that_captured_a_graph(cm):
     assert fitted.calibration.source == "calibrated from 12 steps"
     assert fitted.calibration == calibrate(cm, stats).calibration  # as if they were not there
     assert calibrate(cm, stats + [{**c, "one_off": False} for c in captures]).calibration != fitted.calibration
-    with pytest.raises(ValueError, match="one-off steps left out"):
+    with pytest.raises(ValueError, match="one-off and choosing steps left out"):
         calibrate(cm, captures[:1] + stats[:1])
+    # the eager steps cuda_graphs="auto" times before it keeps replayed ones: not the job's steps
+    trials = [{**s, "seconds": 5 * s["seconds"], "choosing": True} for s in stats[:6]]
+    assert calibrate(cm, stats + trials).calibration == calibrate(cm, stats).calibration
+
+
+def test_typical_steps_are_neither_captures_nor_the_choice_nor_stalls():
+    from lora_sweep.costmodel import STALL_FACTOR, typical_steps
+
+    steady = [{"seconds": 0.30 + 0.01 * (i % 3), "one_off": False, "choosing": False} for i in range(8)]
+    capture = {"seconds": 1.5, "one_off": True, "choosing": False}
+    trial = {"seconds": 0.45, "one_off": False, "choosing": True}  # an eager step "auto" timed
+    stall = {"seconds": 9.4, "one_off": False, "choosing": False}  # a kernel compiled inside the step
+    steps = [trial, trial, capture, *steady[:4], stall, *steady[4:]]
+    assert typical_steps(steps) == steady
+    slower = {"seconds": 0.9 * STALL_FACTOR * 0.31, "one_off": False, "choosing": False}  # large, not a stall
+    assert typical_steps(steady + [slower]) == steady + [slower]
+    assert typical_steps([stall, steady[0]]) == [stall, steady[0]]  # too few to call one a stall
 
 
 def test_calibrate_on_one_job_predicts_that_job(cm):
@@ -354,8 +371,9 @@ def _tiny_job(tmp_path, max_steps):
 def test_profile_job_returns_steps_after_warmup(tmp_path):
     job = _tiny_job(tmp_path, max_steps=20)
     stats = profile_job(job, steps=5, warmup=2)
-    assert len(stats) == 5 and stats == job.step_stats[2:7]
+    assert len(stats) == 5 and all(s in job.step_stats[2:] for s in stats)
     assert all(s["rank_sum"] == 24 and s["num_adapters"] == 2 and s["seconds"] > 0 for s in stats)
+    assert not any(s["one_off"] or s["choosing"] for s in job.step_stats)  # no CUDA graphs on the CPU
 
 
 def test_profile_job_warns_when_the_job_ends_early(tmp_path):

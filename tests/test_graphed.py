@@ -186,6 +186,8 @@ def test_auto_keeps_the_step_that_trains_faster(tiny_llama_dir, toy_data, tmp_pa
     graphed = [s["graphed"] for s in job.step_stats]
     choice = job.graphed_step.chosen[2]
     assert graphed == [False] * (TRIAL_STEPS + 1) + [True] * TRIAL_STEPS + [choice] * 2
+    # the steps timed for the choice say so (`profile_job` and `calibrate` leave them out)
+    assert [s["choosing"] for s in job.step_stats] == [True] * (2 * TRIAL_STEPS + 1) + [False] * 2
 
 
 def _two_trials(tiny_llama_dir, toy_data, path) -> PackedJob:

@@ -923,15 +923,15 @@ def _ridge_fit(features: np.ndarray, target: np.ndarray, prior: np.ndarray, stre
 # --------------------------------------------------------------------------- profiling
 
 
-STALL_FACTOR = 3.0  # a step this many times the median of its job's others is a stall, not a step
+STALL_FACTOR = 3.0  # a step over this many times the median of its job's steps is a stall, not a step
 
 
 def typical_steps(step_stats: Sequence[Mapping[str, Any]]) -> list:
     """The steps of one job that say how long its steps take: those that are not ``one_off``
     (a CUDA graph captured in them), not ``choosing`` (``cuda_graphs="auto"`` still timing
     eager steps against replayed ones: the job then runs only one kind), and not stalls (over
-    `STALL_FACTOR` times the median of the rest: a kernel compiled for a new shape inside the
-    step takes seconds)."""
+    `STALL_FACTOR` times the median of those steps: a kernel compiled for a new shape inside
+    the step takes seconds). Give it one job's steps: the median stands for all of them."""
     steps = [s for s in step_stats if not s.get("one_off") and not s.get("choosing")]
     if len(steps) < 3:
         return steps

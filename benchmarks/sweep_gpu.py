@@ -435,8 +435,8 @@ def peft_cost_model(base_cm, probe_runs: list[dict], trial_s: float | None = Non
     Every timed step is a point of the fit, not each probe's median: a trial's time is a sum of
     steps, which least squares over the steps themselves predicts, while four medians let one
     slow probe tilt the whole fit. Steps over `STALL_FACTOR` (3x) the median of all are host
-    stalls, not steps, and are left out (on an H200: 4 steps of 1.4 s in one probe of 16, against a median of
-    0.2 s; 1 in 1,856 measured steps)."""
+    stalls, not steps, and are left out (on an H200: 4 steps of 1.4 s in one probe of 16,
+    against a median of 0.2 s; 1 in 1,856 measured steps)."""
     from lora_sweep.costmodel import STALL_FACTOR, calibrate
 
     steps = [list(zip(r["step_s"][-8:], r["tokens"][-8:])) for r in probe_runs]

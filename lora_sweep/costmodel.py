@@ -849,7 +849,7 @@ def calibrate(cost_model: CostModel, step_stats: Sequence[Mapping[str, Any]], nu
     Returns:
         A copy of `cost_model` with the fitted `Calibration`.
     """
-    step_stats = [s for s in step_stats if not s.get("one_off") and not s.get("choosing")]
+    step_stats = [s for s in step_stats if _runs_as_the_job_does(s)]
     if len(step_stats) < 2:
         raise ValueError(f"The length of `step_stats` is {len(step_stats)} (one-off and choosing steps left out), "
                          f"but must be at least 2.")
@@ -923,6 +923,12 @@ def _ridge_fit(features: np.ndarray, target: np.ndarray, prior: np.ndarray, stre
 # --------------------------------------------------------------------------- profiling
 
 
+def _runs_as_the_job_does(step: Mapping[str, Any]) -> bool:
+    """Whether a step's time is one of the job's steps: it captured no CUDA graph (``one_off``)
+    and was not timed for ``cuda_graphs="auto"``'s choice (``choosing``)."""
+    return not step.get("one_off") and not step.get("choosing")
+
+
 STALL_FACTOR = 3.0  # a step over this many times the median of its job's steps is a stall, not a step
 
 
@@ -932,7 +938,7 @@ def typical_steps(step_stats: Sequence[Mapping[str, Any]]) -> list:
     eager steps against replayed ones: the job then runs only one kind), and not stalls (over
     `STALL_FACTOR` times the median of those steps: a kernel compiled for a new shape inside
     the step takes seconds). Give it one job's steps: the median stands for all of them."""
-    steps = [s for s in step_stats if not s.get("one_off") and not s.get("choosing")]
+    steps = [s for s in step_stats if _runs_as_the_job_does(s)]
     if len(steps) < 3:
         return steps
     median = float(np.median([s["seconds"] for s in steps]))

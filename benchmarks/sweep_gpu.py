@@ -28,6 +28,8 @@ left out of every timing (random weights would flatter a load time).
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -130,6 +132,34 @@ def ceilings() -> dict:
     mm = _median_ms(lambda: a @ b, 20)
     cp = _median_ms(lambda: y.copy_(x), 20)
     return {"bf16_tflops": 2 * 8192**3 / mm / 1e9, "copy_gbps": 2 * x.numel() * 2 / cp / 1e6}
+
+
+@contextlib.contextmanager
+def timed_calls(patches):
+    """Within the block, `patches` [(owner, attribute name, key)] are wrapped so that each call
+    adds its seconds to the yielded Counter under `key` (calls are counted where `key` is None);
+    the originals are put back after it. `owner` may be a class, a module or one instance."""
+    totals = collections.Counter()
+    originals = [getattr(owner, name) for owner, name, _ in patches]
+
+    def timed(orig, key):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                if key is not None:
+                    totals[key] += time.perf_counter() - t
+                totals["calls" if key is None else key + "_calls"] += 1
+        return call
+
+    for (owner, name, key), orig in zip(patches, originals):
+        setattr(owner, name, timed(orig, key))
+    try:
+        yield totals
+    finally:
+        for (owner, name, _), orig in zip(patches, originals):
+            setattr(owner, name, orig)
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -346,7 +376,6 @@ def step_host(model_name, seq, n, warmup, steps, log) -> dict:
     step (torch's sync debug mode) and where they come from; the GPU's own time of a step
     (`gpu_profile`). A step whose host time reaches its wall time is host-bound. The
     eager step's (`cuda_graphs=False`): a replayed step's host work is none of these."""
-    import collections
     import warnings
 
     from triton.runtime.jit import JITFunction
@@ -358,32 +387,17 @@ def step_host(model_name, seq, n, warmup, steps, log) -> dict:
     job = ls.PackedJob(spec_for(model, rows, seq, cuda_graphs=False), trials, progress=False)
     for _ in range(warmup):
         job.step()
-    host = collections.Counter()
-    patched = [(type(job), "_adapter_losses", "forward_and_loss_s"), (torch.autograd, "grad", "backward_s"),
+    patches = [(type(job), "_adapter_losses", "forward_and_loss_s"), (torch.autograd, "grad", "backward_s"),
                (type(job.optimizer), "step", "optimizer_s"), (JITFunction, "run", None)]
-    originals = [getattr(owner, name) for owner, name, _ in patched]
-
-    def timed(orig, key):
-        def call(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                host[key or "triton_launches"] += (time.perf_counter() - t) if key else 1
-        return call
-
-    for (owner, name, key), orig in zip(patched, originals):
-        setattr(owner, name, timed(orig, key))
-    try:
+    with timed_calls(patches) as host:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
             job.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
-    finally:
-        for (owner, name, _), orig in zip(patched, originals):
-            setattr(owner, name, orig)
+    host = {"triton_launches": host["calls"], **{k: host[k] for k in ("forward_and_loss_s", "backward_s",
+                                                                         "optimizer_s")}}
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -585,26 +599,34 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
     subset_plan = plan(PRESETS[model_name], subset, num_gpus=1, cost_model=packed_cm)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    measured_steps, construct_s = [], 0.0
+    measured_steps, construct_s, outside = [], 0.0, collections.Counter()
     for planned in subset_plan.jobs:  # each trial's adapter is saved in PEFT format when it finishes
         t1 = time.perf_counter()
         job = ls.PackedJob(spec, [dataclasses.replace(t) for t in planned.trials], progress=False)
         construct_s += time.perf_counter() - t1
-        for _ in job.run():
-            pass
+        # where the time outside steps goes: joins and leaves, and after each step its
+        # reports, evaluations and finished trials (saving adapters)
+        with timed_calls([(job, "_apply_membership", "membership_s"), (job, "_after_optimizer_step", "after_step_s"),
+                          (job, "_finish", "finish_s")]) as calls:
+            for _ in job.run():
+                pass
+        outside.update(calls)
         measured_steps += job.step_stats
         del job
         strip_adapters(model)
     torch.cuda.synchronize()
     measured_packed = time.perf_counter() - t0
-    log(f"16 configs packed in {len(subset_plan.jobs)} jobs: {measured_packed:.1f} s")
+    log(f"16 configs packed in {len(subset_plan.jobs)} jobs: {measured_packed:.1f} s ({construct_s:.1f} s building, "
+        f"{sum(st['seconds'] for st in measured_steps):.1f} s in {len(measured_steps)} steps, "
+        f"{outside['membership_s']:.1f} s joining and leaving, {outside['after_step_s']:.1f} s after steps, "
+        f"{outside['finish_s']:.1f} s of it saving)")
     result = {"model": model_name, "seq": seq, "steps": steps, "peft_processes": peft_processes,
               "mean_sample_tokens": base_cm.mean_sample_tokens, "predicted": predicted,
               "measured": {"packed_16": measured_packed},
               "packed_16_breakdown": {"construct_s": construct_s,
                                       "steps_s": sum(st["seconds"] for st in measured_steps),
                                       "rest_s": measured_packed - construct_s
-                                      - sum(st["seconds"] for st in measured_steps)},
+                                      - sum(st["seconds"] for st in measured_steps), **outside},
               "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1},
               "packed_model_build_s": build_s,
               "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs],

@@ -35,7 +35,7 @@ from .row_reduce import _store_chunk_sum, chunk_sum, lora_row_reduce
 from .shrink import lora_shrink
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # per-step ints: metadata.py
 def _ds_db_kernel(
     # pointers
     dy_ptr,  # [M, N] rows
@@ -107,7 +107,7 @@ def _ds_db_kernel(
                  mask=(rows < row_end)[:, None] & r_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # per-step ints: metadata.py
 def _ds_sum_kernel(
     ds_part_ptr,  # fp32 [n_col_blocks, M, rank_stride]
     ds_ptr,  # [M, rank_stride] in dY's dtype: dS, written for rows of adapters with LoRA

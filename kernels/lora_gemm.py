@@ -50,7 +50,7 @@ from .lora_gemm_gluon import lora_gemm_gluon
 from .metadata import ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoRABatchMeta, cdiv, sm_count, tma_ready
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "n_blocks", "n_programs"])  # per-step ints: metadata.py
 def _lora_gemm_kernel(
     a_desc,  # TMA descriptor of [M, K]: x (forward) or dY (backward), blocks [BLOCK_M, BLOCK_K]
     w_desc,  # TMA descriptor of W: [N, K] in blocks [BLOCK_N, BLOCK_K] (forward), [K, N] in [BLOCK_K, BLOCK_N] (backward)
@@ -124,7 +124,7 @@ def _lora_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "n_blocks"])  # per-step ints: metadata.py
 def _lora_add_kernel(
     s_ptr, lora_ptr, out_ptr, mask_ptr, block_tiles_ptr, tiles_ptr, adapters_i_ptr, adapters_f_ptr,
     seeds_ptr,  # as above

@@ -393,7 +393,7 @@ if gluon is not None:
             _tma_store(c_desc, [row0, n0], c_smem)  # rows and columns past the edge dropped
         tma.store_wait(pendings=0)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["M", "n_blocks", "n_programs"])  # per-step ints: metadata.py
     def _lora_gemm_gluon_kernel(a_desc, w_desc, c_desc, s_desc, l_desc, bias_ptr, mask_ptr, block_tiles_ptr,
                                 tiles_ptr, adapters_i_ptr, adapters_f_ptr, M, N, K, n_blocks, n_groups, n_programs,
                                 FORWARD: gl.constexpr, OUT_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr,

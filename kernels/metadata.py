@@ -14,6 +14,13 @@ each with its own adapter. So no segment is padded to the tile height: 32 adapte
 rows run the GEMM on as many row blocks as one adapter of 2048 rows. Reductions over rows
 (dA, dB) use a second table of longer chunks, each inside one adapter.
 
+Integer arguments that follow a step's tokens (`M`, row blocks, programs, tile items) are
+passed with `do_not_specialize`. Triton otherwise compiles one variant for a value of 1, one
+for multiples of 16 and one for the rest, per such argument: an eager step of a new length
+could stop for seconds to compile kernels the job has already compiled for other lengths.
+Strides and widths stay specialised: they are fixed for a layer and their alignment makes
+loads wider.
+
 Nothing here imports Triton: the CPU reference path never needs it.
 """
 

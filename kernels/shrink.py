@@ -45,7 +45,7 @@ from .metadata import (ADAPTER_FLOAT_COLS, ADAPTER_INT_COLS, LAUNCH_OPTIONS, LoR
                        tma_ready)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])  # per-step ints: metadata.py
 def _shrink_kernel(
     # pointers
     x_ptr,  # [M, K] rows: x (forward) or dY (backward)

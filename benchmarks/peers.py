@@ -11,7 +11,8 @@ packed job:
            works (else recorded as unavailable, with the reason); dropout 0 only, its fast path
 * packed   one `PackedJob` holding the K adapters, in a process of its own, its step replayed
            from CUDA graphs; with `--profile`, also the GPU's time in its step, the share of
-           the step the GPU is busy and the host's time per step (`sweep_gpu.gpu_profile`)
+           the step the GPU is busy, the host's time per step and the kernels that take the
+           GPU's time (`sweep_gpu.gpu_profile`)
 * packed-eager  the same job with `cuda_graphs=False`: every kernel launched from Python
 
 Every trial: rank 16 (`--rank`) on all seven projections, batch 1, loss on every token, its own

@@ -220,7 +220,9 @@ def gpu_profile(job, steps: int = 5) -> dict:
       backward's second stream overlap those of the first: their union, not their sum);
     * gpu_busy_share: that union over the steps' wall time;
     * host_s_per_step: the median step's wall time less what its host waited for the GPU at
-      its end (`step_stats`' gpu_wait_s): the host's own work, which bounds the step from below.
+      its end (`step_stats`' gpu_wait_s): the host's own work, which bounds the step from below;
+    * kernels: where the GPU's time goes, the 25 kernels (by name) of most time, each with its
+      seconds a step and calls a step, the rest summed under "other".
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -238,9 +240,19 @@ def gpu_profile(job, steps: int = 5) -> dict:
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
     busy /= 1e6  # microseconds
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            per_kernel[e.name][0] += (e.time_range.end - e.time_range.start) / 1e6 / steps
+            per_kernel[e.name][1] += 1 / steps
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    kernels = [{"name": name[:120], "s_per_step": t, "calls_per_step": n} for name, (t, n) in ranked[:25]]
+    kernels.append({"name": "other", "s_per_step": sum(t for _, (t, _) in ranked[25:]),
+                    "calls_per_step": sum(n for _, (_, n) in ranked[25:])})
     stats = job.step_stats[-steps:]
     return {"gpu_s_per_step": busy / steps, "wall_s_per_step": wall / steps, "gpu_busy_share": busy / wall,
-            "host_s_per_step": statistics.median(s["seconds"] - s["gpu_wait_s"] for s in stats)}
+            "host_s_per_step": statistics.median(s["seconds"] - s["gpu_wait_s"] for s in stats),
+            "kernels": kernels}
 
 
 def tokenized(model, rows, seq_len, device="cuda"):

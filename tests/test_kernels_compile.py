@@ -38,9 +38,11 @@ PACKS = [(512, 1024, 1024, (16, 16, 16, 16), 0.05), (384, 768, 1000, (8, 128, 37
 MAX_SPILL_BYTES = 16
 
 
-def compile_fused_layer(capability: int) -> list[dict]:
+def compile_fused_layer(capability: int) -> dict:
     """Every kernel a fused layer's fwd+bwd launches for the GPU of `capability` (`GPUS`),
-    compiled for it: name, shared memory, registers, spills, TMA descriptors, cp.async."""
+    compiled for it (`kernels`: name, shared memory, registers, spills, TMA descriptors,
+    cp.async); on Hopper also the kernels the same layer compiled anew when run again at
+    other token counts (`recompiled_for_new_lengths`)."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -108,6 +110,23 @@ def compile_fused_layer(capability: int) -> list[dict]:
     rms_norm(h, torch.randn(2048, dtype=torch.bfloat16), 1e-6).sum().backward()
     cross_entropy_rows(torch.randn(64, 128256, dtype=torch.bfloat16), torch.randint(0, 128256, (64,)), need_grad=True)
 
+    recompiled = []
+    if capability == 90:  # the first pack again at other lengths of as many row blocks: nothing new to compile
+        seen, first_new = {id(kernel) for kernel, _ in compiled}, len(compiled)
+        in_f, out_f, _, ranks, p = PACKS[0]
+        for tokens in (1000, 1008):  # a multiple of 16 and not, like the 1024 above
+            x = torch.randn(tokens, in_f, dtype=torch.bfloat16, requires_grad=True)
+            lora_a = [torch.randn(r, in_f, requires_grad=True) for r in ranks]
+            lora_b = [torch.randn(out_f, r, requires_grad=True) for r in ranks]
+            n = len(ranks)
+            seg_lens = [tokens // n] * (n - 1) + [tokens - tokens // n * (n - 1)]
+            config = metadata.config_for(max(ranks), True, metadata.fuses_base(torch.device("cuda"), 2))
+            y = triton_multi_lora_linear(x, torch.randn(out_f, in_f, dtype=torch.bfloat16), None, lora_a, lora_b,
+                                         [2.0] * n, [p] * n, seg_lens, torch.arange(n), config=config)
+            y.backward(torch.ones_like(y))
+        recompiled = sorted({kernel.name for kernel, _ in compiled[first_new:] if id(kernel) not in seen})
+        del compiled[first_new:]
+
     rows = []
     for kernel, looped in compiled:
         usage = resource_usage(kernel)
@@ -115,7 +134,7 @@ def compile_fused_layer(capability: int) -> list[dict]:
                          spills=int(usage["STACK"]) + int(usage["LOCAL"]),
                          descriptors=any(str(t).startswith("tensordesc") for t in kernel.src.signature.values()),
                          cp_async="cp.async" in kernel.asm["ptx"]))
-    return rows
+    return {"kernels": rows, "recompiled_for_new_lengths": recompiled}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +148,13 @@ def compiles():
 
 @pytest.fixture(scope="module", params=sorted(GPUS))
 def kernels_for(request, compiles) -> tuple[int, list[dict]]:
-    return request.param, compiles[request.param].result()
+    return request.param, compiles[request.param].result()["kernels"]
+
+
+def test_a_step_of_a_new_length_compiles_no_kernel(compiles):
+    # the integers that follow a step's tokens are not specialised (`kernels/metadata.py`):
+    # 1000 tokens (not a multiple of 16) after 1024 and 1008 runs the kernels compiled for 1024
+    assert compiles[90].result()["recompiled_for_new_lengths"] == []
 
 
 def test_every_kernel_fits_the_gpus_shared_memory_and_registers(kernels_for):

@@ -86,7 +86,7 @@ def compile_fused_layer(capability: int) -> dict:
     metadata.sm_count = lora_gemm.sm_count = lambda device: n_sms
     metadata.shared_memory_per_program = lambda device: shared_bytes
 
-    for in_f, out_f, tokens, ranks, p in PACKS:
+    def fused_layer(in_f, out_f, tokens, ranks, p):  # forward and backward, equal segments
         n = len(ranks)
         x = torch.randn(tokens, in_f, dtype=torch.bfloat16, requires_grad=True)
         weight = torch.randn(out_f, in_f, dtype=torch.bfloat16)
@@ -97,6 +97,11 @@ def compile_fused_layer(capability: int) -> dict:
         y = triton_multi_lora_linear(x, weight, None, lora_a, lora_b, [2.0] * n, [p] * n, seg_lens,
                                      torch.arange(n), config=config)
         y.backward(torch.ones_like(y))
+        return x, y, lora_a, lora_b, seg_lens, config
+
+    for in_f, out_f, tokens, ranks, p in PACKS:
+        n = len(ranks)
+        x, y, lora_a, lora_b, seg_lens, config = fused_layer(in_f, out_f, tokens, ranks, p)
         if capability == 90:  # the shrinks beside the Gluon GEMM, which runs on Hopper (`multi_lora._shrink_beside`)
             meta = metadata.LoRABatchMeta.build(seg_lens, lora_a, lora_b, [2.0] * n, [0.0] * n, list(range(n)),
                                                 in_f, out_f, x.device, config)
@@ -114,16 +119,8 @@ def compile_fused_layer(capability: int) -> dict:
     if capability == 90:  # the first pack again at other lengths of as many row blocks: nothing new to compile
         seen, first_new = {id(kernel) for kernel, _ in compiled}, len(compiled)
         in_f, out_f, _, ranks, p = PACKS[0]
-        for tokens in (1000, 1008):  # a multiple of 16 and not, like the 1024 above
-            x = torch.randn(tokens, in_f, dtype=torch.bfloat16, requires_grad=True)
-            lora_a = [torch.randn(r, in_f, requires_grad=True) for r in ranks]
-            lora_b = [torch.randn(out_f, r, requires_grad=True) for r in ranks]
-            n = len(ranks)
-            seg_lens = [tokens // n] * (n - 1) + [tokens - tokens // n * (n - 1)]
-            config = metadata.config_for(max(ranks), True, metadata.fuses_base(torch.device("cuda"), 2))
-            y = triton_multi_lora_linear(x, torch.randn(out_f, in_f, dtype=torch.bfloat16), None, lora_a, lora_b,
-                                         [2.0] * n, [p] * n, seg_lens, torch.arange(n), config=config)
-            y.backward(torch.ones_like(y))
+        for tokens in (1000, 1008):  # not a multiple of 16, then one, after the 1024 above
+            fused_layer(in_f, out_f, tokens, ranks, p)
         recompiled = sorted({kernel.name for kernel, _ in compiled[first_new:] if id(kernel) not in seen})
         del compiled[first_new:]
 
@@ -153,7 +150,7 @@ def kernels_for(request, compiles) -> tuple[int, list[dict]]:
 
 def test_a_step_of_a_new_length_compiles_no_kernel(compiles):
     # the integers that follow a step's tokens are not specialised (`kernels/metadata.py`):
-    # 1000 tokens (not a multiple of 16) after 1024 and 1008 runs the kernels compiled for 1024
+    # 1000 tokens (not a multiple of 16), then 1008, run the kernels compiled for 1024
     assert compiles[90].result()["recompiled_for_new_lengths"] == []
 
 

@@ -628,17 +628,16 @@ def makespan(model_name, seq, steps, log, microbatch_tokens, peft_processes=True
         strip_adapters(model)
     torch.cuda.synchronize()
     measured_packed = time.perf_counter() - t0
+    steps_s = sum(st["seconds"] for st in measured_steps)
     log(f"16 configs packed in {len(subset_plan.jobs)} jobs: {measured_packed:.1f} s ({construct_s:.1f} s building, "
-        f"{sum(st['seconds'] for st in measured_steps):.1f} s in {len(measured_steps)} steps, "
+        f"{steps_s:.1f} s in {len(measured_steps)} steps, "
         f"{outside['membership_s']:.1f} s joining and leaving, {outside['after_step_s']:.1f} s after steps, "
         f"{outside['finish_s']:.1f} s of it saving)")
     result = {"model": model_name, "seq": seq, "steps": steps, "peft_processes": peft_processes,
               "mean_sample_tokens": base_cm.mean_sample_tokens, "predicted": predicted,
               "measured": {"packed_16": measured_packed},
-              "packed_16_breakdown": {"construct_s": construct_s,
-                                      "steps_s": sum(st["seconds"] for st in measured_steps),
-                                      "rest_s": measured_packed - construct_s
-                                      - sum(st["seconds"] for st in measured_steps), **outside},
+              "packed_16_breakdown": {"construct_s": construct_s, "steps_s": steps_s,
+                                      "rest_s": measured_packed - construct_s - steps_s, **outside},
               "prediction_error": {"packed_16": predicted["packed_16"] / measured_packed - 1},
               "packed_model_build_s": build_s,
               "plan_16_jobs": [[t.trial_id for t in j.trials] for j in subset_plan.jobs],

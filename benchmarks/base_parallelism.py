@@ -91,11 +91,11 @@ def worker(args) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from lora_sweep.distributed import attach
+
     rank, d = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device, dtype = ("cpu", torch.float32) if args.dry else ("cuda", torch.bfloat16)
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("gloo" if args.dry else "nccl")
+    attach(torch.device(device))  # the group, taken down at exit once every rank is there
     mesh = init_device_mesh(device, (d,))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = args.tokens // args.seq  # sequences of the whole step
@@ -132,7 +132,6 @@ def worker(args) -> None:
     if rank == 0:
         with open(args.worker_out, "w") as f:
             json.dump({"d": d, "layouts": results}, f)
-    dist.destroy_process_group()
 
 
 def run_on(d: int, args, work: str) -> dict:

@@ -163,7 +163,7 @@ class MultiLoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         table = self.segments
         if not table.names:
-            return self.base_layer(x)
+            return self._base_product(x)
         lead, flat = x.shape[:-1], x.reshape(-1, self.in_features)  # (tokens, in)
         none = (None, None, 0.0, 0.0)  # an adapter that does not target this layer
         lora_a, lora_b, scales, dropout_p = zip(*(self._adapters.get(name, none) for name in table.names))
@@ -179,6 +179,17 @@ class MultiLoRALinear(nn.Module):
                                     table.dropout_seeds(self.layer_index, x.device if uses_triton(x) else None),
                                     frame=table.frame)
         return out.reshape(*lead, self.out_features)
+
+    def _base_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b with no adapter. A quantized weight is dequantised as in a pack's forward:
+        bitsandbytes' own 4-bit forward, on a CPU with AVX512-BF16 in eval mode, repacks the
+        weight in place into a layout only its inference kernel reads."""
+        if not self.quantized:
+            return self.base_layer(x)
+        weight = dequantize(self.base_layer, x.dtype)
+        bias = self.base_layer.bias
+        with recomputed_in_backward(self.base_layer, weight):
+            return nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={list(self.lora_A)}"

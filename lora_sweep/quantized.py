@@ -55,6 +55,11 @@ def dequantize(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
     weight = layer.weight
     if type(weight).__name__ == "Params4bit" or getattr(weight, "quant_state", None) is not None:
+        if getattr(weight.quant_state, "packing_format_for_cpu", False):
+            # repacked by bitsandbytes' CPU inference forward: back to the layout its
+            # dequantisation reads, as bitsandbytes itself does before saving or moving it
+            weight.data, weight.quant_state = bnbf._convert_weight_packed_for_cpu_inverse(weight.data,
+                                                                                          weight.quant_state)
         return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
     scales = getattr(weight, "SCB", None)
     if scales is None:

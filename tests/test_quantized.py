@@ -68,10 +68,31 @@ def test_saved_adapters_load_into_peft_on_the_quantized_base(tiny_llama_dir, toy
         packed = job.model(input_ids=rows).logits
         job.segments.clear()
         base = job.model(input_ids=rows).logits
-        peft = PeftModel.from_pretrained(quantized_base(tiny_llama_dir, "nf4"), str(tmp_path / "a")).eval()
+        # train mode, whose math is eval's at dropout 0: in eval mode on a CPU with AVX512-BF16,
+        # bitsandbytes' own forward takes an inference kernel that needs widths of multiples of 32
+        peft = PeftModel.from_pretrained(quantized_base(tiny_llama_dir, "nf4"), str(tmp_path / "a")).train()
         loaded = peft(input_ids=rows).logits
     assert (packed - base).abs().max() > 1e-3  # the adapter changes the logits
     assert torch.allclose(loaded, packed, atol=1e-4, rtol=1e-4)
+
+
+def test_a_weight_repacked_by_bitsandbytes_for_cpu_inference_dequantises_as_before():
+    """bitsandbytes' 4-bit forward in eval mode without gradients, on a CPU with AVX512-BF16,
+    repacks the layer's weight in place for its inference kernel (and rounds its block scales
+    to bf16); `dequantize` reads it back as the weight it gave before, to that rounding."""
+    import bitsandbytes as bnb
+
+    layer = bnb.nn.Linear4bit(128, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(64, 128) / 10, requires_grad=False, quant_type="nf4")
+    layer = layer.to("cpu")  # quantized here
+    if not layer.support_avx512bf16_for_cpu:
+        pytest.skip("bitsandbytes repacks 4-bit weights for inference only on a CPU with AVX512-BF16")
+    before = dequantize(layer, torch.float32)
+    with torch.no_grad():
+        layer.eval()(torch.randn(3, 128))
+    assert layer.weight.quant_state.packing_format_for_cpu
+    after = dequantize(layer, torch.float32)
+    assert (after - before).abs().max() <= before.abs().max() * 2**-8
 
 
 def test_an_int8_base_gives_what_bitsandbytes_gives(tiny_llama_dir, toy_data, tmp_path):

@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Nothing is downloaded: a name that is not a saved model fails at once instead of retrying the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import random  # noqa: E402
 import string  # noqa: E402
@@ -34,6 +35,19 @@ def use_triton_interpreter(*kernel_modules: str):
         if f"lora_sweep.kernels.{name}" in sys.modules:
             importlib.reload(sys.modules[f"lora_sweep.kernels.{name}"])
     return triton
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's CPU threads set to `n` inside the block. A reference trained here to compare
+    with a Ray actor's result runs on the actor's one thread (Ray sets OMP_NUM_THREADS to an
+    actor's CPUs): how a CPU splits a reduction over threads moves fp32 results by ~1e-6."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def make_char_tokenizer():

@@ -32,6 +32,8 @@ from lora_sweep.engine import Finished, PackedJob
 from lora_sweep.integrations.optuna import PackedLoRASampler
 from lora_sweep.rank_group import RankGroupJob
 
+from conftest import torch_threads
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 SPACE = {"learning_rate": FloatDistribution(1e-3, 3e-2, log=True), "rank": IntDistribution(2, 8)}
@@ -473,16 +475,12 @@ def test_killed_trials_continue_from_their_checkpoints(tiny_llama_dir, toy_data,
               if t.state == TrialState.RUNNING and len(t.intermediate_values) >= 5]
     assert killed
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the worker ran: then the rerun matches bit for bit
-    try:
+    with torch_threads(1):  # as the worker ran: then the rerun matches bit for bit
         study = optuna.load_study(study_name="sweep", storage=storage, pruner=NO_PRUNING)
         spec = make_spec(tiny_llama_dir, *toy_data, tmp_path / "runs", checkpoint_every=2)
         PackedLoRASampler(study, spec, SPACE, trial_defaults={"max_steps": 16, "batch_size": 2},
                           max_concurrent=2).optimize(n_trials=4, show_progress_bar=False)
         check_reruns(study, killed, tiny_llama_dir, toy_data, tmp_path)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def check_reruns(study, killed, tiny_llama_dir, toy_data, tmp_path):

@@ -29,6 +29,8 @@ import lora_sweep as ls  # noqa: E402
 from lora_sweep.engine import Finished, PackedJob, Report, with_new_hyperparameters  # noqa: E402
 from lora_sweep.integrations.ray_tune import PackedExecutor, _LeaveWhenTuneIsDone  # noqa: E402
 
+from conftest import torch_threads  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 SLOTS = 3  # adapters per pack: fewer than the trials, so that slots get refilled
@@ -124,7 +126,8 @@ def test_tune_eval_loss_equals_the_engine_alone(executor, spec, tmp_path):
     for t in analysis.trials:
         cfg = ls.TrialConfig.from_dict(t.config, trial_id="alone")
         job = PackedJob(spec, [cfg], progress=False)
-        alone = [e.metrics["eval_loss"] for e in job.run() if isinstance(e, Report)]
+        with torch_threads(1):  # as the pack server's actor ran
+            alone = [e.metrics["eval_loss"] for e in job.run() if isinstance(e, Report)]
         tuned = list(analysis.trial_dataframes[t.trial_id]["eval_loss"])
         assert len(tuned) == len(alone) == cfg.max_steps // spec.eval_every
         for step, (x, y) in enumerate(zip(tuned, alone)):

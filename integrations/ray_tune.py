@@ -515,10 +515,17 @@ def _join_ranks(spec: JobSpec, address: str, rank: int, world_size: int) -> None
 
 
 @ray.remote(num_cpus=0)
-def _free_address() -> str:
-    from ..distributed import free_address
+class _RendezvousHost:
+    """The `distributed.Rendezvous` where a pack server's d ranks meet, served from an actor
+    on rank 0's bundle for as long as the executor keeps it."""
 
-    return free_address()
+    def __init__(self):
+        from ..distributed import Rendezvous
+
+        self.rendezvous = Rendezvous()
+
+    def address(self) -> str:
+        return self.rendezvous.address
 
 
 def _empty_cuda_cache() -> None:
@@ -863,7 +870,7 @@ class PackedExecutor:
         # A server on d GPUs is d actors in a placement group on one node: the server is rank 0
         # of their job, the others follow it; only rank 0 has adapters to send with reports.
         self.server_names = tuple(f"{self.name}-{i}" for i in range(num_servers))
-        self.servers, self._followers, self._groups = [], [], []
+        self.servers, self._followers, self._groups, self._rendezvous = [], [], [], []
         settings = dict(max_adapters=max_adapters_per_server, lease_seconds=lease_seconds,
                         checkpoint_every_report=checkpoint_every_report and gpus_per_server == 1,
                         base_idle_s=base_idle_s)
@@ -883,7 +890,8 @@ class PackedExecutor:
                 raise RuntimeError(f"{gpus_per_server} x {resources} on one node (`gpus_per_server` ranks of "
                                    f"`resources_per_server`) were not free within {startup_timeout_s} s; the "
                                    f"cluster has {ray.cluster_resources()}.") from None
-            address = ray.get(_free_address.options(scheduling_strategy=_in_bundle(group, 0)).remote())
+            self._rendezvous.append(_RendezvousHost.options(scheduling_strategy=_in_bundle(group, 0)).remote())
+            address = ray.get(self._rendezvous[-1].address.remote())
             for rank in range(1, gpus_per_server):
                 follower = ray.remote(_RankFollower).options(scheduling_strategy=_in_bundle(group, rank),
                                                              **_actor_resources(resources)).remote()
@@ -942,11 +950,11 @@ class PackedExecutor:
 
     def shutdown(self) -> None:
         """Stop the pack servers (and their other ranks) and free their GPUs."""
-        for actor in self.servers + self._followers:
+        for actor in self.servers + self._followers + self._rendezvous:
             ray.kill(actor)
         for group in self._groups:
             remove_placement_group(group)
-        self.servers, self._followers, self._groups = [], [], []
+        self.servers, self._followers, self._groups, self._rendezvous = [], [], [], []
 
     def __enter__(self) -> "PackedExecutor":
         return self

@@ -98,25 +98,38 @@ def attach(device: torch.device) -> Optional["Ranks"]:
     return Ranks()
 
 
-def join(address: str, rank: int, world_size: int, device: torch.device) -> None:
-    """Make this process rank `rank` of a group of `world_size` that meets at `address`
-    (``host:port``, from `free_address` on rank 0's host): for ranks that no launcher started,
-    such as Ray actors. `attach` then finds the group."""
+class Rendezvous:
+    """Where the ranks of a group that no launcher started meet (Ray actors, `RankGroupJob`'s
+    processes): torch.distributed's key-value store, served by this process on a port the
+    operating system gave the store as it opened it, so no other process can take the port
+    before the ranks come. It serves as long as this object lives, which must outlast the
+    ranks' group (making subgroups goes through it). `address` (``host:port``) is what each
+    rank passes to `join`."""
+
+    def __init__(self):
+        import socket
+
+        host = socket.gethostbyname(socket.gethostname())
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        self.address = f"{host}:{self.store.port}"
+
+
+def store_at(address: str) -> "dist.TCPStore":
+    """A client of the `Rendezvous` at `address` (``host:port``)."""
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=TIMEOUT)
+
+
+def join(address: str, rank: int, world_size: int, device: torch.device,
+         store: Optional["dist.TCPStore"] = None) -> None:
+    """Make this process rank `rank` of a group of `world_size` that meets at the `Rendezvous`
+    at `address` (or through `store`, a client of it this process already holds): for ranks
+    that no launcher started. `attach` then finds the group."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{address}",
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store or store_at(address),
                             rank=rank, world_size=world_size, timeout=TIMEOUT)
     atexit.register(_destroy_group)
-
-
-def free_address() -> str:
-    """``host:port`` of this host with a port free now, where `join` can meet."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return f"{socket.gethostbyname(socket.gethostname())}:{port}"
 
 
 def follow(job) -> None:

@@ -34,6 +34,7 @@ from .config import JobSpec
 
 START_TIMEOUT_S = 1800.0  # loading a large base shard by shard takes minutes
 _AUTHKEY_ENV = "LORA_SWEEP_GROUP_AUTHKEY"  # the pipe's key, passed to the ranks outside their command line
+_PIPE_PORT_KEY = "lora_sweep/pipe_port"  # rank 0's port for the pipe, in the rendezvous' store
 
 
 class RankGroupJob:
@@ -57,7 +58,7 @@ class RankGroupJob:
                              "rank reads its own shard), not a factory.")
         if len(devices) < 2:
             raise ValueError(f"The value of `devices` is {list(devices)!r}, but a device group has at least 2.")
-        from .distributed import free_address
+        from .distributed import Rendezvous
 
         self.devices = [str(d) for d in devices]
         self.spec = dataclasses.replace(spec, device=self.devices[0])
@@ -71,34 +72,33 @@ class RankGroupJob:
         with self._spec_file as f:
             pickle.dump(spec, f)
         authkey = os.urandom(16)
-        pipe_port = int(free_address().rsplit(":", 1)[1])
-        group_address = free_address()
+        rendezvous = Rendezvous()  # where the ranks meet, and where rank 0 says on which port it listens
         self._processes = [subprocess.Popen(
             [sys.executable, "-m", "lora_sweep.rank_group", self._spec_file.name, ",".join(self.devices), str(rank),
-             group_address, str(pipe_port)], env={**os.environ, _AUTHKEY_ENV: authkey.hex()})
+             rendezvous.address], env={**os.environ, _AUTHKEY_ENV: authkey.hex()})
             for rank in range(len(self.devices))]
         self._pipe: list = []  # the connection to rank 0, once made (a list: the finalizer holds it, not self)
-        self._finalizer = weakref.finalize(self, _shut_down, self._pipe, self._processes, self._spec_file.name)
-        self._pipe.append(self._connect(pipe_port, authkey, start_timeout_s))
+        # the finalizer holds the rendezvous too: it serves until the ranks have exited
+        self._finalizer = weakref.finalize(self, _shut_down, self._pipe, self._processes, self._spec_file.name,
+                                           rendezvous)
+        self._pipe.append(self._connect(rendezvous.store, authkey, start_timeout_s))
         self._conn = self._pipe[0]
         ready = self._receive(start_timeout_s, "to load the base")
         self.pack_id, self.module_shapes = ready["pack_id"], ready["module_shapes"]
 
-    def _connect(self, port: int, authkey: bytes, timeout_s: float):
-        """The pipe to rank 0, once it listens on `port`."""
+    def _connect(self, store, authkey: bytes, timeout_s: float):
+        """The pipe to rank 0, once it listens (on the port it writes to `store`)."""
         from .distributed import PeerFailure
 
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return Client(("127.0.0.1", port), authkey=authkey)
-            except ConnectionRefusedError:
-                dead = self._dead()
-                if dead or time.monotonic() > deadline:
-                    self._finalizer()
-                    raise PeerFailure(f"The job on {self.devices} did not start: "
-                                      f"{', '.join(dead) or 'rank 0 did not listen'}.") from None
-                time.sleep(0.2)
+        while not store.check([_PIPE_PORT_KEY]):
+            dead = self._dead()
+            if dead or time.monotonic() > deadline:
+                self._finalizer()
+                raise PeerFailure(f"The job on {self.devices} did not start: "
+                                  f"{', '.join(dead) or 'rank 0 did not listen'}.")
+            time.sleep(0.2)
+        return Client(("127.0.0.1", int(store.get(_PIPE_PORT_KEY))), authkey=authkey)
 
     def _dead(self) -> list[str]:
         return [f"rank {r} exited with {p.returncode}" for r, p in enumerate(self._processes) if p.poll() is not None]
@@ -166,7 +166,9 @@ class RankGroupJob:
         return value
 
 
-def _shut_down(pipe: list, processes, spec_file: str) -> None:
+def _shut_down(pipe: list, processes, spec_file: str, rendezvous) -> None:
+    """Stop rank 0 (which tells the others), wait for every rank, then close the pipe and
+    remove the spec file; `rendezvous` stops serving when this returns and lets it go."""
     conn = pipe[0] if pipe else None
     try:
         if conn is not None and processes[0].poll() is None:
@@ -183,20 +185,21 @@ def _shut_down(pipe: list, processes, spec_file: str) -> None:
     os.unlink(spec_file)
 
 
-def _rank_main(spec_file: str, devices: list[str], rank: int, group_address: str, pipe_port: int) -> None:
+def _rank_main(spec_file: str, devices: list[str], rank: int, group_address: str) -> None:
     """One rank's process: join the group and build the job; rank 0 serves the pipe to the
     driving process, the others follow rank 0's runs."""
-    from .distributed import follow, join
+    from .distributed import follow, join, store_at
     from .engine import PackedJob
 
     with open(spec_file, "rb") as f:
         spec = pickle.load(f)
-    conn = None
-    if rank == 0:
-        with Listener(("127.0.0.1", pipe_port), authkey=bytes.fromhex(os.environ[_AUTHKEY_ENV])) as listener:
+    conn, store = None, store_at(group_address)
+    if rank == 0:  # on a port the system picks, written to the rendezvous for the driving process
+        with Listener(("127.0.0.1", 0), authkey=bytes.fromhex(os.environ[_AUTHKEY_ENV])) as listener:
+            store.set(_PIPE_PORT_KEY, str(listener.address[1]))
             conn = listener.accept()
     device = torch.device(devices[rank])
-    join(group_address, rank, len(devices), device)
+    join(group_address, rank, len(devices), device, store=store)
     try:
         job = PackedJob(dataclasses.replace(spec, device=str(device)), progress=False)
     except BaseException as err:
@@ -247,5 +250,5 @@ def _portable(err: BaseException) -> BaseException:
 
 
 if __name__ == "__main__":
-    _spec_file, _devices, _rank, _group_address, _pipe_port = sys.argv[1:6]
-    _rank_main(_spec_file, _devices.split(","), int(_rank), _group_address, int(_pipe_port))
+    _spec_file, _devices, _rank, _group_address = sys.argv[1:5]
+    _rank_main(_spec_file, _devices.split(","), int(_rank), _group_address)

@@ -215,6 +215,8 @@ def _process(task, barrier, results) -> None:
     if cuda:
         report["device"] = torch.cuda.get_device_name(0)
         report["reserved_gb"] = torch.cuda.memory_reserved() / 2**30  # the caching allocator keeps its peak
+        # cudaMallocs that failed, emptied the allocator's cache (synchronising) and were retried
+        report["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     results.put(report)
 
 

@@ -40,8 +40,9 @@ def use_triton_interpreter(*kernel_modules: str):
 @contextlib.contextmanager
 def torch_threads(n: int):
     """torch's CPU threads set to `n` inside the block. A reference trained here to compare
-    with a Ray actor's result runs on the actor's one thread (Ray sets OMP_NUM_THREADS to an
-    actor's CPUs): how a CPU splits a reduction over threads moves fp32 results by ~1e-6."""
+    with what another process trained runs on as many threads as it did (a Ray actor of one
+    CPU, a worker started with OMP_NUM_THREADS=1): how a CPU splits a reduction over threads
+    moves fp32 results by ~1e-6."""
     threads = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

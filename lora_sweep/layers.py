@@ -169,10 +169,7 @@ class MultiLoRALinear(nn.Module):
         lora_a, lora_b, scales, dropout_p = zip(*(self._adapters.get(name, none) for name in table.names))
         if not self.training:
             dropout_p = (0.0,) * len(dropout_p)
-        weight, saved = self.base_layer.weight, contextlib.nullcontext()
-        if self.quantized:  # once for the whole pack; dequantised again in the backward, not kept
-            weight = dequantize(self.base_layer, x.dtype)
-            saved = recomputed_in_backward(self.base_layer, weight)
+        weight, saved = self._base_weight(x)
         with saved:
             out = multi_lora_linear(flat, weight, self.base_layer.bias, lora_a, lora_b, scales, dropout_p,
                                     table.tokens,
@@ -180,15 +177,24 @@ class MultiLoRALinear(nn.Module):
                                     frame=table.frame)
         return out.reshape(*lead, self.out_features)
 
+    def _base_weight(self, x: torch.Tensor) -> tuple[torch.Tensor, contextlib.AbstractContextManager]:
+        """The base's weight for `x`'s product, and the context to run that product in. A
+        quantized weight is dequantised once for the whole pack, in `x`'s dtype, and again in
+        the backward rather than kept (`recomputed_in_backward`)."""
+        if not self.quantized:
+            return self.base_layer.weight, contextlib.nullcontext()
+        weight = dequantize(self.base_layer, x.dtype)
+        return weight, recomputed_in_backward(self.base_layer, weight)
+
     def _base_product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b with no adapter. A quantized weight is dequantised as in a pack's forward:
         bitsandbytes' own 4-bit forward, on a CPU with AVX512-BF16 in eval mode, repacks the
         weight in place into a layout only its inference kernel reads."""
         if not self.quantized:
             return self.base_layer(x)
-        weight = dequantize(self.base_layer, x.dtype)
+        weight, saved = self._base_weight(x)
         bias = self.base_layer.bias
-        with recomputed_in_backward(self.base_layer, weight):
+        with saved:
             return nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:

@@ -234,17 +234,16 @@ def gpu_profile(job, steps: int = 5) -> dict:
             job.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    on_gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy, end = 0.0, float("-inf")
-    for a, b in sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == DeviceType.CUDA):
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in on_gpu):
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
     busy /= 1e6  # microseconds
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            per_kernel[e.name][0] += (e.time_range.end - e.time_range.start) / 1e6 / steps
-            per_kernel[e.name][1] += 1 / steps
+    for e in on_gpu:
+        per_kernel[e.name][0] += (e.time_range.end - e.time_range.start) / 1e6 / steps
+        per_kernel[e.name][1] += 1 / steps
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
     kernels = [{"name": name[:120], "s_per_step": t, "calls_per_step": n} for name, (t, n) in ranked[:25]]
     kernels.append({"name": "other", "s_per_step": sum(t for _, (t, _) in ranked[25:]),

@@ -11,8 +11,9 @@ packed job:
            works (else recorded as unavailable, with the reason); dropout 0 only, its fast path
 * packed   one `PackedJob` holding the K adapters, in a process of its own, its step replayed
            from CUDA graphs; with `--profile`, also the GPU's time in its step, the share of
-           the step the GPU is busy, the host's time per step and the kernels that take the
-           GPU's time (`sweep_gpu.gpu_profile`)
+           the step the GPU is busy, the host's time per step, the kernels that take the
+           GPU's time (`sweep_gpu.gpu_profile`) and the functions that take the host's
+           (`sweep_gpu.host_profile`)
 * packed-eager  the same job with `cuda_graphs=False`: every kernel launched from Python
 
 Every trial: rank 16 (`--rank`) on all seven projections, batch 1, loss on every token, its own
@@ -153,8 +154,9 @@ def _train(task, on_step) -> dict:
                  "captures": job.graphed_step.captures if job.graphed_step is not None else 0,
                  "padded_tokens_per_step": statistics.mean(s["padded_tokens"] for s in job.step_stats)}
         if task["profile"] and device == "cuda":
-            from benchmarks.sweep_gpu import gpu_profile
+            from benchmarks.sweep_gpu import gpu_profile, host_profile
             extra["profile"] = gpu_profile(job)
+            extra["profile"]["host_functions"] = host_profile(job)
         return extra
 
     (cfg,) = trials
@@ -393,7 +395,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, default=512, help="samples every trial draws from")
     parser.add_argument("--unsloth-checkpointing", default="false", choices=["false", "true", "unsloth"],
                         help="use_gradient_checkpointing of Unsloth's get_peft_model (PEFT's side has none)")
-    parser.add_argument("--profile", action="store_true", help="the packed step's GPU time and busy share")
+    parser.add_argument("--profile", action="store_true", help="the packed step's GPU time, busy share, kernels and host functions")
     parser.add_argument("--quantization", choices=["nf4", "fp4", "int8"], default=None,
                         help="every method on the same base with its linears quantized by bitsandbytes (QLoRA); "
                              "Unsloth takes nf4 only")

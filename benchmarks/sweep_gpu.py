@@ -254,6 +254,33 @@ def gpu_profile(job, steps: int = 5) -> dict:
             "kernels": kernels}
 
 
+def host_profile(job, steps: int = 3, top: int = 25) -> dict:
+    """Where the host's time in `steps` steps of `job` goes (cProfile): the `top` functions of
+    most own time ("own") and of most time with their callees ("cumulative"), each with both
+    in seconds a step and its calls a step. cProfile slows Python down, so the seconds are an
+    upper bound and the ranking is what counts."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(steps):
+        job.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    rows = pstats.Stats(profiler).stats.items()  # (file, line, name) -> (calls, prim calls, own, cumulative, ..)
+
+    def entry(where, numbers):
+        (file, line, name), (_, calls, own, cum, _) = where, numbers
+        short = os.path.relpath(file) if file.startswith("/") else file
+        return {"function": f"{short}:{line}({name})"[-160:], "own_s_per_step": own / steps,
+                "cumulative_s_per_step": cum / steps, "calls_per_step": calls / steps}
+
+    return {order: [entry(*kv) for kv in sorted(rows, key=lambda kv: -kv[1][column])[:top]]
+            for order, column in (("own", 2), ("cumulative", 3))}
+
+
 def tokenized(model, rows, seq_len, device="cuda"):
     """The samples and pad id of `rows` exactly as a packed job tokenises them, for the PEFT side."""
     job = ls.PackedJob(spec_for(model, rows, seq_len, device=device), [], progress=False)

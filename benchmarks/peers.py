@@ -395,7 +395,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, default=512, help="samples every trial draws from")
     parser.add_argument("--unsloth-checkpointing", default="false", choices=["false", "true", "unsloth"],
                         help="use_gradient_checkpointing of Unsloth's get_peft_model (PEFT's side has none)")
-    parser.add_argument("--profile", action="store_true", help="the packed step's GPU time, busy share, kernels and host functions")
+    parser.add_argument("--profile", action="store_true",
+                        help="the packed step's GPU time, busy share, kernels and host functions")
     parser.add_argument("--quantization", choices=["nf4", "fp4", "int8"], default=None,
                         help="every method on the same base with its linears quantized by bitsandbytes (QLoRA); "
                              "Unsloth takes nf4 only")

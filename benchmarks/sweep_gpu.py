@@ -269,7 +269,7 @@ def host_profile(job, steps: int = 3, top: int = 25) -> dict:
         job.step()
     torch.cuda.synchronize()
     profiler.disable()
-    rows = pstats.Stats(profiler).stats.items()  # (file, line, name) -> (calls, prim calls, own, cumulative, ..)
+    rows = pstats.Stats(profiler).stats.items()  # (file, line, name) -> (prim calls, calls, own, cumulative, ..)
 
     def entry(where, numbers):
         (file, line, name), (_, calls, own, cum, _) = where, numbers

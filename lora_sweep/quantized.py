@@ -73,10 +73,13 @@ def dequantize(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 def recomputed_in_backward(layer: nn.Module, weight: torch.Tensor):
     """Inside, autograd saves no tensor that shares `weight`'s memory: it saves how to get it
     back (dequantising `layer` again, then the same view) and does so in the backward."""
-    storage = weight.untyped_storage().data_ptr()
+    # the hooks hold the weight's device and address, never the weight itself: autograd keeps
+    # them until the backward, and a reference there would keep every layer's dequantised
+    # weight alive from its forward to its backward
+    device, storage = weight.device, weight.untyped_storage().data_ptr()
 
     def pack(t: torch.Tensor):
-        if t.device == weight.device and t.untyped_storage().data_ptr() == storage:
+        if t.device == device and t.untyped_storage().data_ptr() == storage:
             return ("dequantized", t.shape, t.stride(), t.storage_offset(), t.dtype)
         return t
 

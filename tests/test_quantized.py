@@ -5,7 +5,9 @@ resume from checkpoints hold on a quantized base, and the saved adapters load in
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ import lora_sweep as ls
 from benchmarks.peft_baseline import peft_model_for, train_alone_with_peft
 from lora_sweep.config import ConfigError
 from lora_sweep.engine import Failed, PackedJob
-from lora_sweep.quantized import bitsandbytes_config, dequantize
+from lora_sweep.quantized import bitsandbytes_config, dequantize, recomputed_in_backward
 
 from test_engine_equivalence import final_weights, four_trials, make_spec, rel, run_packed
 
@@ -94,6 +96,30 @@ def test_a_weight_repacked_by_bitsandbytes_for_cpu_inference_dequantises_as_befo
         layer.eval()(torch.randn(3, 128))
     assert layer.weight.quant_state.packing_format_for_cpu
     assert rel(dequantize(layer, torch.float32), before) < 1e-2
+
+
+def test_a_dequantised_weight_lives_only_while_its_layer_runs():
+    """A product run under `recomputed_in_backward` saves no reference to the dequantised
+    weight: it is freed once the forward drops it (every layer's full-precision weight kept to
+    its backward is the size of a bf16 model), and the backward dequantises it again and gives
+    the gradient of the weight it was."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(128, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(64, 128) / 10, requires_grad=False, quant_type="nf4")
+    layer = layer.to("cpu")
+    x = torch.randn(8, 128, requires_grad=True)
+    weight = dequantize(layer, torch.float32)
+    expected = weight.sum(0).expand(8, 128).clone()  # d sum(x W^T) / dx
+    alive = weakref.ref(weight)
+    with recomputed_in_backward(layer, weight):
+        y = x @ weight.t()  # saves a transposed view of the weight
+    del weight
+    gc.collect()
+    assert alive() is None
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, expected)
 
 
 def test_an_int8_base_gives_what_bitsandbytes_gives(tiny_llama_dir, toy_data, tmp_path):

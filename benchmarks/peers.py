@@ -387,6 +387,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq", type=int, default=256, help="max_seq_len; samples average about 40%% of it")
     parser.add_argument("--k", default="8,16,32", help="trials on the GPU at once, comma-separated")
     parser.add_argument("--packed-k", default=None, help="adapters of the packed methods' jobs, if not --k's")
+    parser.add_argument("--peft-k", default=None, help="PEFT processes at once, if not --k's")
+    parser.add_argument("--unsloth-k", default=None, help="Unsloth processes at once, if not --k's")
     parser.add_argument("--steps", type=int, default=30, help="timed steps of every process")
     parser.add_argument("--warmup", type=int, default=5, help="steps before the barrier (at least 1)")
     parser.add_argument("--peers", default="peft,unsloth,packed", help="methods, comma-separated")
@@ -414,6 +416,10 @@ def main(argv=None) -> dict:
     packed_ks = [int(k) for k in args.packed_k.split(",")] if args.packed_k else ks
     if args.dry:
         args.model, args.seq, args.steps, args.warmup, args.rows, ks, packed_ks = "tiny", 64, 2, 1, 64, [2], [2]
+        args.peft_k = args.unsloth_k = None
+    ks_of = {method: packed_ks for method in PACKED}  # the Ks each method runs at
+    ks_of.update({method: [int(k) for k in own.split(",")] if own else ks
+                  for method, own in (("peft", args.peft_k), ("unsloth", args.unsloth_k))})
 
     from transformers import AutoTokenizer
 
@@ -454,7 +460,7 @@ def main(argv=None) -> dict:
         for method in methods:
             for dropout in ([0.0] if method == "unsloth" else dropouts):
                 too_big = None  # the smallest K that did not fit: larger K are skipped
-                for k in (packed_ks if method in PACKED else ks):
+                for k in ks_of[method]:
                     if method == "unsloth" and unsloth != "available":
                         run = {"method": method, "k": k, "dropout": dropout, "status": unsloth}
                     elif too_big is not None:

@@ -369,10 +369,7 @@ def _chain(error: Optional[BaseException]):
 
 def graphs_supported(job) -> bool:
     """Whether `job`'s steps can be captured: on CUDA, with the Triton kernels and packed
-    samples (the model attends within each sample without a mask), on a base that is not
-    quantized (captured, its step ran no faster than eager and its window lost the captures'
-    time: docs/performance.md)."""
+    samples (the model attends within each sample without a mask)."""
     from .kernels import uses_triton
 
-    return (job.device.type == "cuda" and job.packed and uses_triton(job.lm_head_weight)
-            and not any(layer.quantized for layer in job.layers.values()))
+    return job.device.type == "cuda" and job.packed and uses_triton(job.lm_head_weight)

@@ -1,6 +1,7 @@
 """On CUDA: packed adapters on an NF4 base (bf16 compute, fp32 adapters) train as PEFT's QLoRA
 trains each alone on the same quantized model, same initial adapters and samples, dropout 0:
-every step's loss within bf16 tolerance over 20 steps. Skipped without a GPU or bitsandbytes;
+every step's loss within bf16 tolerance over 20 steps, with the step replayed from CUDA graphs
+and launched eagerly. Skipped without a GPU or bitsandbytes;
 run it on one with `TRITON_INTERPRET=0 pytest tests/test_quantized_gpu.py`."""
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ STEPS = 20
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def test_packed_on_an_nf4_base_trains_as_peft_qlora_alone(tmp_path):
+@pytest.mark.parametrize("graphs", [True, False], ids=["replayed", "eager"])
+def test_packed_on_an_nf4_base_trains_as_peft_qlora_alone(graphs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_dir = str(tmp_path / "base")
@@ -35,7 +37,7 @@ def test_packed_on_an_nf4_base_trains_as_peft_qlora_alone(tmp_path):
               for i, (r, lr, b) in enumerate([(8, 1e-3, 2), (16, 3e-4, 4), (64, 5e-4, 1)])]
     spec = ls.JobSpec(base_model=model_dir, tokenizer=tiny_model_path(), train_data=rows(), max_seq_len=64,
                       eval_every=1, output_dir=str(tmp_path / "runs"), device="cuda", dtype="bfloat16",
-                      quantization="nf4", target_modules=list(TARGETS))
+                      quantization="nf4", target_modules=list(TARGETS), cuda_graphs=graphs)
     job = ls.PackedJob(spec, trials, progress=False)
     assert all(layer.quantized for layer in job.layers.values())
     for t in job.trials:
@@ -54,6 +56,7 @@ def test_packed_on_an_nf4_base_trains_as_peft_qlora_alone(tmp_path):
         reference[cfg.trial_id], _ = train_alone_with_peft(model, cfg, job.train_samples, job.pad_id, device="cuda")
         del base, model
     assert all(len(v) == STEPS for v in packed.values())
+    assert all(s["graphed"] == graphs for s in job.step_stats)
     close(packed, reference, first=1e-2, drift=3e-2)
     for tid, losses in packed.items():
         assert losses[-1] < losses[0], tid

@@ -413,13 +413,12 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"`--peers` takes peft, unsloth, packed and packed-eager, got {', '.join(sorted(unknown))}.")
     ks, dropouts = [int(k) for k in args.k.split(",")], [float(d) for d in args.dropout.split(",")]
-    packed_ks = [int(k) for k in args.packed_k.split(",")] if args.packed_k else ks
     if args.dry:
-        args.model, args.seq, args.steps, args.warmup, args.rows, ks, packed_ks = "tiny", 64, 2, 1, 64, [2], [2]
-        args.peft_k = args.unsloth_k = None
-    ks_of = {method: packed_ks for method in PACKED}  # the Ks each method runs at
-    ks_of.update({method: [int(k) for k in own.split(",")] if own else ks
-                  for method, own in (("peft", args.peft_k), ("unsloth", args.unsloth_k))})
+        args.model, args.seq, args.steps, args.warmup, args.rows, ks = "tiny", 64, 2, 1, 64, [2]
+    own_ks = {"peft": args.peft_k, "unsloth": args.unsloth_k, **dict.fromkeys(PACKED, args.packed_k)}
+    # the Ks each method runs at: its own list, else --k's (a dry run: K=2 for every method)
+    ks_of = {method: [int(k) for k in own.split(",")] if own and not args.dry else ks
+             for method, own in own_ks.items()}
 
     from transformers import AutoTokenizer
 

@@ -78,17 +78,22 @@ def test_saved_adapters_load_into_peft_on_the_quantized_base(tiny_llama_dir, toy
     assert torch.allclose(loaded, packed, atol=1e-4, rtol=1e-4)
 
 
-def test_a_weight_repacked_by_bitsandbytes_for_cpu_inference_dequantises_as_before():
-    """bitsandbytes' 4-bit forward in eval mode without gradients, on a CPU with AVX512-BF16,
-    repacks the layer's weight in place for its inference kernel, its block scales rounded to
-    bf16; `dequantize` reads it back as the weight it gave before, to that rounding (0.25% at
-    most over 30 seeds; read as it is, the repacked weight is off by more than its own size)."""
+def nf4_layer():
+    """A bitsandbytes NF4 layer of 64 x 128 random weights (seed 0), quantized on the CPU."""
     import bitsandbytes as bnb
 
     torch.manual_seed(0)
     layer = bnb.nn.Linear4bit(128, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
     layer.weight = bnb.nn.Params4bit(torch.randn(64, 128) / 10, requires_grad=False, quant_type="nf4")
-    layer = layer.to("cpu")  # quantized here
+    return layer.to("cpu")  # quantized here
+
+
+def test_a_weight_repacked_by_bitsandbytes_for_cpu_inference_dequantises_as_before():
+    """bitsandbytes' 4-bit forward in eval mode without gradients, on a CPU with AVX512-BF16,
+    repacks the layer's weight in place for its inference kernel, its block scales rounded to
+    bf16; `dequantize` reads it back as the weight it gave before, to that rounding (0.25% at
+    most over 30 seeds; read as it is, the repacked weight is off by more than its own size)."""
+    layer = nf4_layer()
     if not layer.support_avx512bf16_for_cpu:
         pytest.skip("bitsandbytes repacks 4-bit weights for inference only on a CPU with AVX512-BF16")
     before = dequantize(layer, torch.float32)
@@ -103,12 +108,7 @@ def test_a_dequantised_weight_lives_only_while_its_layer_runs():
     weight: it is freed once the forward drops it (every layer's full-precision weight kept to
     its backward is the size of a bf16 model), and the backward dequantises it again and gives
     the gradient of the weight it was."""
-    import bitsandbytes as bnb
-
-    torch.manual_seed(0)
-    layer = bnb.nn.Linear4bit(128, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
-    layer.weight = bnb.nn.Params4bit(torch.randn(64, 128) / 10, requires_grad=False, quant_type="nf4")
-    layer = layer.to("cpu")
+    layer = nf4_layer()
     x = torch.randn(8, 128, requires_grad=True)
     weight = dequantize(layer, torch.float32)
     expected = weight.sum(0).expand(8, 128).clone()  # d sum(x W^T) / dx

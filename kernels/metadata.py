@@ -519,8 +519,7 @@ def make_shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: 
     tiles, block_tiles, chunks, chunk_first, chunk_count = routing
     tile_rows = [(i, r1 - r0) for i, r0, r1 in tiles]
     rows_i = adapter_int_rows(seg_lens, ranks, dropout_p, chunk_first, chunk_count)
-    rows_f = [(scales[i], 1.0 / (1.0 - (check_dropout_p(dropout_p[i]) if rank else 0.0)))
-              for i, rank in enumerate(ranks)]
+    rows_f = adapter_float_rows(ranks, scales, dropout_p)
     longest_chunk = min(chunk_rows, max((rows for rows, lora in zip(seg_lens, has_lora) if lora), default=0))
     max_chunks_per_adapter = max(chunk_count, default=0)
     if frame is None:
@@ -567,6 +566,12 @@ def make_shared_tables(seg_lens: tuple, ranks: tuple, scales: tuple, dropout_p: 
         config=config,
     )
     return meta
+
+
+def adapter_float_rows(ranks, scales, dropout_p) -> list[tuple]:
+    """The per-adapter float table (`ADAPTER_FLOAT_COLS`): scale, and 1 / (1 - p) where it has LoRA."""
+    return [(scales[i], 1.0 / (1.0 - (check_dropout_p(dropout_p[i]) if rank else 0.0)))
+            for i, rank in enumerate(ranks)]
 
 
 def adapter_int_rows(seg_lens, ranks, dropout_p, chunk_first, chunk_count) -> list[tuple]:

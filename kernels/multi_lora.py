@@ -174,7 +174,8 @@ class _TritonMultiLoRALinear(torch.autograd.Function):
             lora_shrink(dy, bt_pack, ds, meta, apply_scale=True, dropout=False, programs=beside)
         else:
             # every dB_i [out, r_i] one after another in one flat buffer, every dA_i [r_i, in]
-            # stacked in another: each adapter's gradient is a contiguous view
+            # stacked in another: each adapter's gradient is a contiguous view. (In a frame's
+            # layout a segment may have no rows: no kernel writes its adapter's gradient.)
             db = torch.empty(dy.shape[1] * meta.r_total, device=x.device, dtype=ctx.grad_dtype)
             da = torch.empty(meta.r_total, x.shape[1], device=x.device, dtype=ctx.grad_dtype)
             # A second stream costs the host about 0.1 ms a call in events and switches: more

@@ -152,6 +152,7 @@ def _train(task, on_step) -> dict:
                  "peak_allocated_gb": max(peaks, default=0) / 2**30,
                  "graphed_steps": sum(s["graphed"] for s in job.step_stats),
                  "captures": job.graphed_step.captures if job.graphed_step is not None else 0,
+                 "eager_bucket_steps": job.graphed_step.eager_steps if job.graphed_step is not None else 0,
                  "padded_tokens_per_step": statistics.mean(s["padded_tokens"] for s in job.step_stats)}
         if task["profile"] and device == "cuda":
             from benchmarks.sweep_gpu import gpu_profile, host_profile
@@ -297,7 +298,8 @@ def run_one(method: str, k: int, dropout: float, setup: dict) -> dict:
            "device": next((r["device"] for r in reports if "device" in r), None),
            "reports": [{key: v for key, v in r.items() if key not in ("ends", "start")} for r in reports]}
     if method in PACKED and reports[0]["status"] == "ok":
-        for key in ("evictions", "microbatches", "graphed_steps", "captures", "padded_tokens_per_step"):
+        for key in ("evictions", "microbatches", "graphed_steps", "captures", "eager_bucket_steps",
+                    "padded_tokens_per_step"):
             out[key] = reports[0][key]
         if "profile" in reports[0]:  # the GPU's share of a step, and the host's time per step
             out.update(reports[0]["profile"])

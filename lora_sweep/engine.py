@@ -525,15 +525,19 @@ class PackedJob:
                     modules.append(name)
                     layer.add_adapter(key, cfg.rank, cfg.scaling, cfg.dropout, generator, self.adapter_dtype)
                     params += [layer.lora_A[key].weight, layer.lora_B[key].weight]
+            # the buffers of a slot of the CUDA graphs that a trial of this shape left, if any
+            slot = self.graphed_step.vacancy(cfg, modules) if self.graphed_step is not None else None
             self.optimizer.add(cfg.trial_id, params, cfg.learning_rate,
                                lr_lambda(cfg.lr_scheduler, cfg.warmup_steps, cfg.max_steps),
-                               cfg.weight_decay, cfg.max_grad_norm)
+                               cfg.weight_decay, cfg.max_grad_norm, storage=slot.state if slot else None)
         except BaseException:
             self._undo_join(cfg.trial_id, key, modules)
             raise
         train, evals = self.samples_for(cfg.max_seq_len or self.spec.max_seq_len)
         adapter = _Adapter(cfg, key, SampleStream(len(train), cfg.seed), modules, train, evals)
         self.active[cfg.trial_id] = adapter
+        if slot is not None:
+            self.graphed_step.occupy(slot, adapter)
         from_disk = state is None and use_checkpoint
         state = state if state is not None else self._read_checkpoint(cfg) if use_checkpoint else None
         if state is not None:
@@ -562,11 +566,13 @@ class PackedJob:
             self.optimizer.remove(trial_id)
 
     def _detach(self, trial_id: str) -> None:
-        """Take a trial's adapter out of every layer and the optimizer."""
+        """Take a trial's adapter out of every layer and the optimizer, unless its slot in the
+        CUDA graphs keeps its buffers for a trial of its shape (`GraphedStep.vacate`)."""
         adapter = self.active.pop(trial_id)
-        for name in adapter.modules:
-            self.layers[name].delete_adapter(adapter.key)
-        self.optimizer.remove(trial_id)
+        state = self.optimizer.remove(trial_id)
+        if self.graphed_step is None or not self.graphed_step.vacate(adapter, state):
+            for name in adapter.modules:
+                self.layers[name].delete_adapter(adapter.key)
 
     def _release(self, trial_id: str, keep_checkpoint: bool) -> None:
         """A trial is out of the job: unlock its files and, unless kept, delete its checkpoint."""
@@ -743,12 +749,11 @@ class PackedJob:
         steps_now = [(a.micro_steps + 1) % a.cfg.gradient_accumulation_steps == 0 for a in adapters]
         graphed = self._graphed_micro_step(adapters, groups, steps_now)
         if graphed is not None:  # forward, backward and the stepping adapters' update, replayed
-            sums, norm_values = graphed
+            sums, norm_values, padded_tokens, gpu_wait_s = graphed
             counts = [sum(s.loss_tokens for s in g) for g in groups]
             mean_values = [s / c if c else math.nan for s, c in zip(sums, counts)]
             norm_values = [n for n, s in zip(norm_values, steps_now) if s]
-            padded_tokens, microbatches = self.graphed_step.last_tokens, 1
-            gpu_wait_s = self.graphed_step.wait_s
+            microbatches = 1
         else:
             # forward / backward, in microbatches under the memory cap
             try:
@@ -812,19 +817,28 @@ class PackedJob:
             self.evaluate([])
 
     def _graphed_micro_step(self, adapters, groups, stepping):
-        """The micro-step through `graphed_step` where it takes it: (loss sums, gradient norms),
-        with the stepping adapters' optimizer update done; else None. A layout that cannot be
-        captured turns the graphs off for the job, with a warning."""
+        """The micro-step through `graphed_step` where it takes it: (loss sums, gradient norms,
+        padded tokens, the host's wait for the GPU), with the stepping adapters' optimizer
+        update done; else None. A layout that cannot be captured turns the graphs off for the
+        job, with a warning: after its step if that step trained, else before it."""
         step = self.graphed_step
         if step is None or not (step.wants(len(adapters)) and step.takes(groups)):
             return None
         try:
-            return step.run(adapters, groups, stepping)
+            sums, norms = step.run(adapters, groups, stepping)
         except GraphCaptureError as e:
-            warnings.warn(f"{e}; this job goes on without CUDA graphs.", stacklevel=3)
-            self.graphed_step = None
+            self._stop_graphs(e)
+            return None
+        if step.failure is not None:
+            self._stop_graphs(step.failure)
+        return sums, norms, step.last_tokens, step.wait_s
+
+    def _stop_graphs(self, error: Exception) -> None:
+        """Go on without CUDA graphs after `error`, with a warning, and free their memory."""
+        warnings.warn(f"{error}; this job goes on without CUDA graphs.", stacklevel=4)
+        self.graphed_step.release()
+        self.graphed_step = None
         torch.cuda.empty_cache()  # the graphs' memory, once the error and what it held are gone
-        return None
 
     def _forward_backward(self, adapters: list[_Adapter], groups: list[list[Sample]]):
         """Per-adapter loss sums and loss-token counts of this micro-step, with each adapter's

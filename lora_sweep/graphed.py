@@ -11,22 +11,31 @@ here depends on its *frame* only, never on its samples:
   packed layout), then padding up to the step's token bucket (`token_bucket`: four sizes per
   power of two). The padding is a segment with no adapter and no targets, cut into pieces of
   at most max_seq_len that attend only to themselves.
+* slots: each place in the pack reads one adapter's weights, gradient and AdamW moments at
+  their addresses (its optimizer state's buffers); a trial that leaves keeps its slot,
+  vacant (no rows, no update), and one of the same shape that joins takes its buffers over
+  (`_Slot`), so that neither changes the frame.
 * tables: the kernels' routing tables are a `kernels.frame.TableFrame`, sized for any layout
-  of the bucket over the same adapters and sample counts; the samples' offsets, position ids,
-  targets and each row's adapter are static buffers. The host refills all of them before
-  each replay.
+  of the bucket over the same slots; the samples' offsets, position ids, targets and each
+  row's slot are static buffers. The host refills all of them before each replay, and each
+  slot's scale, dropout rate and optimizer settings.
 
-One graph per frame (bucket, adapters, samples of each) holds the whole micro-step: forward,
-per-adapter loss, backward, gradient accumulation, clipping and AdamW
-(`PackedAdamW.step_on_device`). Before a replay the host writes the step's values into the
-graph's static buffers (token ids, positions, targets, sample offsets, every layer's dropout
-seeds; each adapter's loss weight, lr, step count and whether it steps; the kernels' tables)
-from pinned memory, a copy per buffer; after it, one copy brings back each adapter's loss
-sum and gradient norm. A join or leave changes the frame: the graphs are dropped and the next
-step captures again (a warm-up forward/backward, then the capture: about two eager steps).
-The graphs of all buckets share one memory pool, since one runs at a time. A smaller bucket's
-capture reuses a larger one's blocks, but not the other way round: a capture that runs out of
-memory beside other buckets' graphs drops them and captures its bucket alone, once.
+One graph per frame (bucket, slots) holds the whole micro-step: forward, per-slot loss,
+backward, gradient accumulation, clipping and AdamW (`PackedAdamW.step_on_device`). Before a
+replay the host writes the step's values into the graph's static buffers (token ids,
+positions, targets, sample offsets, every layer's dropout seeds; each slot's loss weight,
+lr, step count, weight decay and whether it steps; the kernels' tables) from pinned memory,
+a copy per buffer; after it, one copy brings back each slot's loss sum and gradient norm.
+
+A step of a bucket without a graph trains eagerly on the bucket's buffers (which also warms
+up what it launches), then is recorded without being run again: a capture costs about one
+eager step more than a replay. Once replays have been timed, a new bucket runs eagerly, or
+padded in a larger captured one, until that has lost as much time as a capture costs; then
+it is captured. A join without a vacant slot of its shape gets a slot at the end: the graphs
+are dropped and captured again, at most once per bucket and slot count. The graphs of all
+buckets share one memory pool, since one runs at a time. A smaller bucket's capture reuses a
+larger one's blocks, but not the other way round: a capture that runs out of memory beside
+other buckets' graphs drops them and captures its bucket alone, once.
 
 With `cuda_graphs="auto"` a job times `TRIAL_STEPS` eager and `TRIAL_STEPS` replayed steps
 for each size of pack (adapters in [2^k, 2^(k+1))), leaving out steps that compile or capture,
@@ -36,6 +45,7 @@ and keeps the one that trains more real tokens per second.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -48,7 +58,7 @@ from .data import IGNORE_INDEX
 from .kernels.frame import TableFrame
 from .kernels.lm_loss import lm_loss_rows
 from .layers import PADDING_SEGMENT, layer_seed_table
-from .optim import DEVICE_COLS
+from .optim import DEVICE_COLS, AdapterOptState
 
 logger = logging.getLogger(__name__)
 
@@ -70,34 +80,62 @@ class GraphCaptureError(RuntimeError):
 
 
 @dataclass
+class _Slot:
+    """A place in the graphs' pack: the buffers an adapter's weights, gradient and AdamW moments
+    live in (`state`), whose addresses every graph reads, and what else they were recorded
+    with: the samples it draws a step, its rank and layers, whether it draws dropout masks.
+    Scale, dropout rate and optimizer settings are refilled before every replay. A slot whose
+    adapter left is vacant: no rows, no update, a gradient no kernel writes, and its layers
+    keep its weights under `key` (a name no trial can have) until an adapter of the same shape
+    takes it over (`occupy`), its gradient and moments zeroed (`PackedAdamW.add`)."""
+
+    adapter: Optional[object]  # the job's adapter record in it; None: vacant
+    state: AdapterOptState
+    key: str  # its layers' name for it
+    rows: int  # samples a step
+    rank: int
+    modules: tuple[str, ...]
+    dropout: bool  # whether its steps draw dropout masks
+    scaling: float
+    dropout_p: float
+
+    @staticmethod
+    def of(adapter, state: AdapterOptState) -> "_Slot":
+        cfg = adapter.cfg
+        return _Slot(adapter, state, adapter.key, cfg.batch_size, cfg.rank, tuple(adapter.modules), cfg.dropout > 0,
+                     cfg.scaling, cfg.dropout)
+
+    def fits(self, cfg, modules) -> bool:
+        """Whether a trial of `cfg` on `modules` could take this slot over."""
+        return (self.adapter is None and (self.rows, self.rank, self.modules, self.dropout)
+                == (cfg.batch_size, cfg.rank, tuple(modules), cfg.dropout > 0))
+
+
+@dataclass
 class _Layout:
     """One frame's static buffers (device, and pinned host twins to fill them from) and graph."""
 
-    adapters: list  # the job's adapter records the frame was made for, in order
-    rows: list[int]  # samples of each adapter
+    rows: list[int]  # samples of each slot
     tokens: int  # the bucket
     pieces: int  # pieces of the padding: as many as a row of `tokens` padding needs
-    ints: torch.Tensor  # int64: ids, positions, targets, each row's adapter, sample offsets, seeds (`_int_views`)
-    table: torch.Tensor  # fp32 [adapters, len(TABLE_COLS)]
-    out: torch.Tensor  # fp32 [2, adapters]: loss sums, gradient norms
-    adapter_index: torch.Tensor  # int64 [adapters]: 0, 1, ..
+    ints: torch.Tensor  # int64: ids, positions, targets, each row's slot, sample offsets, seeds (`views`)
+    table: torch.Tensor  # fp32 [slots, len(TABLE_COLS)]
+    out: torch.Tensor  # fp32 [2, slots]: loss sums, gradient norms
+    slot_index: torch.Tensor  # int64 [slots]: 0, 1, ..
     host: dict[str, torch.Tensor]  # pinned twins of ints, table, out
     frame: TableFrame
     graph: Optional[torch.cuda.CUDAGraph] = None
+    captured: bool = False  # whether `graph` holds the step (the CPU tests stand in for it)
 
     def views(self, ints: torch.Tensor, num_layers: int) -> dict[str, torch.Tensor]:
         """`ints` (this layout's int64 buffer, device or host) cut into its named parts."""
-        t, samples = self.tokens, sum(self.rows) + self.pieces
+        t, samples, n = self.tokens, sum(self.rows) + self.pieces, len(self.rows)
         sizes = {"ids": t, "positions": t, "targets": t, "segment": t, "offsets": samples + 1,
-                 "seeds": num_layers * (len(self.adapters) + 1)}
+                 "seeds": num_layers * (n + 1)}
         parts = dict(zip(sizes, ints.split(list(sizes.values()))))
         parts["ids"], parts["positions"] = parts["ids"].view(1, t), parts["positions"].view(1, t)
-        parts["seeds"] = parts["seeds"].view(num_layers, len(self.adapters) + 1)
+        parts["seeds"] = parts["seeds"].view(num_layers, n + 1)
         return parts
-
-    def matches(self, adapters, groups) -> bool:
-        return (len(adapters) == len(self.adapters) and all(a is b for a, b in zip(adapters, self.adapters))
-                and self.rows == [len(g) for g in groups])
 
 
 class GraphedStep:
@@ -116,13 +154,20 @@ class GraphedStep:
         self.timings: dict[int, dict[bool, list[tuple[float, int]]]] = {}
         self.chosen: dict[int, bool] = {}
         self.captured = False  # whether the last step captured a graph
-        self.layouts: dict[int, _Layout] = {}  # by bucket; all of one set of adapters
+        self.ran_eagerly = False  # whether the last step ran eagerly on a bucket not captured
+        self.failure: Optional[GraphCaptureError] = None  # why the last step's capture failed, after it trained
+        self.slots: list[_Slot] = []  # the places of the pack every layout and graph is made for
+        self.vacancies = 0  # slots vacated so far
+        self.layouts: dict[int, _Layout] = {}  # by bucket, of `slots`
         self.pool = None  # the graphs' shared memory pool, made at the first capture
         self.captures = 0  # graphs captured so far
+        self.eager_steps = 0  # steps run eagerly on the buffers of a bucket without a graph
         self.wait_s = 0.0  # how long the host waited for the last step's replay to finish
-        # by bucket: the seconds its steps have spent on padding, run in a larger captured one
-        self.padding_s: dict[int, float] = {}
-        self.capture_s = 0.0  # the last capture's step, in seconds
+        # by bucket: the seconds its steps have lost, padded into a larger captured bucket or run
+        # eagerly, against replays of graphs of their own (`_bucket_to_run`)
+        self.lost_s: dict[int, float] = {}
+        self.capture_steps: list[tuple[float, int]] = []  # every capture's step: seconds, bucket
+        self.replays = [0.0, 0]  # replayed steps so far: seconds, tokens (their buckets')
         self.asked = 0  # the bucket of the last step's own tokens
         self.last_tokens = 0  # the bucket the last step ran at
 
@@ -130,16 +175,41 @@ class GraphedStep:
         """The token bucket of a step whose adapters draw `groups` of samples."""
         return token_bucket(sum(len(s) for g in groups for s in g))
 
+    def _replay_s(self, tokens: int) -> Optional[float]:
+        """What a replay of `tokens` takes, at the replays' mean rate so far; None before any."""
+        seconds, replayed = self.replays
+        return seconds * tokens / replayed if replayed else None
+
+    def _capture_cost_s(self) -> Optional[float]:
+        """What a capture costs beyond a replay of its step: its step's seconds, less a replay's,
+        the least of the captures so far but the job's first (whose step compiles the kernels),
+        or None before a second one."""
+        costs = [seconds - (self._replay_s(tokens) or 0.0) for seconds, tokens in self.capture_steps[1:]]
+        return min(costs, default=None)
+
     def _bucket_to_run(self, groups) -> int:
         """The step's bucket, or the smallest larger one already captured until the steps of
-        the bucket have lost as much time to that padding as a capture takes (then it gets a
+        the bucket have lost as much time to that padding as a capture costs (then it gets a
         graph of its own): no bucket costs more than twice what the best choice in hindsight
         would have."""
         tokens = self.asked = self.bucket(groups)
-        larger = [n for n in self.layouts if n > tokens and self._fits(n)]
-        if tokens in self.layouts or not larger or self.padding_s.get(tokens, 0.0) >= self.capture_s:
+        larger = [n for n, layout in self.layouts.items() if n > tokens and layout.captured and self._fits(n)]
+        cost = self._capture_cost_s()
+        if self._captured(tokens) or not larger or cost is None or self.lost_s.get(tokens, 0.0) >= cost:
             return tokens
         return min(larger)
+
+    def _captured(self, tokens: int) -> bool:
+        return tokens in self.layouts and self.layouts[tokens].captured
+
+    def _runs_eagerly(self, tokens: int) -> bool:
+        """Whether a step of bucket `tokens`, which has no graph, runs eagerly on its buffers
+        instead of being captured: once replays have been timed, until the bucket's eager steps
+        have lost as much time against replays as a capture costs (as `_bucket_to_run` does for
+        padding). Where an eager step takes about as long as a replay, as at 7B, a bucket that
+        comes rarely is never captured."""
+        cost = self._capture_cost_s()
+        return self._replay_s(tokens) is not None and cost is not None and self.lost_s.get(tokens, 0.0) < cost
 
     def _fits(self, tokens: int) -> bool:
         """Whether a step of `tokens` fits the job's cap on tokens per forward, if it has one."""
@@ -162,16 +232,21 @@ class GraphedStep:
         return self.choose and n_adapters.bit_length() not in self.chosen
 
     def record(self, n_adapters: int, replayed: bool, seconds: float, tokens: int, timed: bool) -> None:
-        """A finished step: a capture's time and a padded step's waste (`_bucket_to_run`), and,
-        when choosing, its rate; `timed` is False for a step that compiled kernels or captured a
-        graph, which says nothing of the steady state."""
+        """A finished step, `replayed` if it ran here: a capture's time, a replay's, what a
+        bucket lost padded or eager (`_bucket_to_run`, `_runs_eagerly`), and, when choosing,
+        its rate; `timed` is False for a step that compiled kernels or captured a graph, which
+        says nothing of the steady state."""
         if replayed and self.captured:
-            self.capture_s = seconds
-        elif replayed and self.last_tokens > self.asked:
-            waste = seconds * (1 - self.asked / self.last_tokens)
-            self.padding_s[self.asked] = self.padding_s.get(self.asked, 0.0) + waste
+            self.capture_steps.append((seconds, self.last_tokens))
+        elif replayed and self.ran_eagerly:
+            self._lose(seconds - self._replay_s(self.last_tokens))
+        elif replayed:
+            self.replays[0] += seconds
+            self.replays[1] += self.last_tokens
+            if self.last_tokens > self.asked:  # padded into a larger bucket
+                self._lose(seconds * (1 - self.asked / self.last_tokens))
         size = n_adapters.bit_length()
-        if not (self.choose and timed) or size in self.chosen:
+        if not (self.choose and timed) or size in self.chosen or (replayed and self.ran_eagerly):
             return
         timings = self.timings.setdefault(size, {False: [], True: []})
         timings[replayed].append((seconds, tokens))
@@ -179,11 +254,15 @@ class GraphedStep:
             rate = {k: sum(n for _, n in v) / max(sum(t for t, _ in v), 1e-9) for k, v in timings.items()}
             self.chosen[size] = rate[True] >= rate[False]
             if not self.chosen[size]:  # eager from now on: the graphs' memory goes to eager steps
-                self._drop_graphs()
+                self.release()
             torch.cuda.empty_cache()  # what the other kind of step cached
             logger.info("packs of %d-%d adapters train %.0f real tokens/s replayed from CUDA graphs and %.0f "
                         "eagerly: they run %s", 2 ** (size - 1), 2 ** size - 1, rate[True], rate[False],
                         "replayed" if self.chosen[size] else "eagerly")
+
+    def _lose(self, seconds: float) -> None:
+        """The last step's bucket lost `seconds` for want of a graph of its own."""
+        self.lost_s[self.asked] = self.lost_s.get(self.asked, 0.0) + seconds
 
     def takes(self, groups) -> bool:
         """Whether this step runs here: its own bucket fits the job's cap (else it runs eagerly,
@@ -193,35 +272,27 @@ class GraphedStep:
     def run(self, adapters, groups, stepping: list[bool]) -> tuple[list[float], list[float]]:
         """One micro-step of `adapters` on their `groups` of samples, with the optimizer step of
         those `stepping`: (each adapter's loss sum, each one's gradient norm before clipping).
-        Raises `GraphCaptureError` if a new layout cannot be captured (nothing trained then)."""
-        if self.layouts and not next(iter(self.layouts.values())).matches(adapters, groups):
-            self._drop_graphs()  # the adapters changed: every graph is stale
+
+        A step of a bucket without a graph runs eagerly on the bucket's buffers, and is then
+        captured for the steps after it (unless `_runs_eagerly`). Raises `GraphCaptureError`
+        if that eager step fails (nothing trained then); if only the capture fails, the step
+        has trained and `failure` holds the error."""
+        seats = self._seat(adapters, groups)
+        slot_groups, slot_stepping = [[] for _ in self.slots], [False] * len(self.slots)
+        for i, group, steps in zip(seats, groups, stepping):
+            slot_groups[i], slot_stepping[i] = group, steps
         tokens = self.last_tokens = self._bucket_to_run(groups)
-        layout = self.layouts.get(tokens)
-        new = layout is None
-        if new:
-            layout = self._new_layout(adapters, groups, tokens)
-        self._stage(layout, groups, stepping)
-        self.captured = new and self.capture
-        if self.captured:
-            error = self._capture_or_error(layout)
-            if self.layouts and any(isinstance(e, torch.OutOfMemoryError) for e in _chain(error)):
-                # The pool keeps the other buckets' blocks, and a larger bucket's tensors do not
-                # fit in them: drop those graphs (later captures of smaller buckets reuse this
-                # one's blocks) and capture this bucket alone.
-                self._drop_graphs()
-                self.pool = None
-                torch.cuda.empty_cache()
-                error = self._capture_or_error(layout)
-            if error is not None:  # whatever stops a capture sends the job back to eager steps
-                self._drop_graphs()
-                raise GraphCaptureError(f"capturing the training step in a CUDA graph failed: {error}") from error
-            self.captures += 1
+        layout = self.layouts.get(tokens) or self._new_layout(tokens)
         self.layouts[tokens] = layout
+        self._stage(layout, slot_groups, slot_stepping)
+        self.captured = self.ran_eagerly = False
+        self.failure = None
         if layout.graph is not None:
             layout.graph.replay()
-        else:
+        elif layout.captured or not self.capture:  # (the CPU tests' stand-in for a graph)
             self._step(layout)
+        elif not (self._runs_eagerly(tokens) and self._eager_step(layout)):
+            self._train_and_capture(layout)
         out = layout.host["out"]
         out.copy_(layout.out, non_blocking=True)
         t = time.perf_counter()
@@ -229,12 +300,73 @@ class GraphedStep:
             torch.cuda.current_stream(layout.out.device).synchronize()
         self.wait_s = time.perf_counter() - t  # the host's wait for the replay
         sums, norms = out.tolist()
-        return sums, norms
+        return [sums[i] for i in seats], [norms[i] for i in seats]
 
-    def _new_layout(self, adapters, groups, tokens: int) -> _Layout:
+    # --- slots: which adapter's buffers each place of the graphs' pack reads
+
+    def _seat(self, adapters, groups) -> list[int]:
+        """Each adapter's slot. One without a slot (it joined, and no vacant slot had its shape)
+        gets a new one at the end, and the graphs, made for fewer slots, go: each bucket is
+        captured at most once per slot count. Where vacant slots would then outnumber the
+        adapters, or an adapter draws another number of samples than its slot, the slots are
+        made anew: one per adapter, in their order."""
+        where = {id(slot.adapter): i for i, slot in enumerate(self.slots) if slot.adapter is not None}
+        seats = [where.get(id(a)) for a in adapters]
+        if None not in seats and all(len(g) == self.slots[i].rows for i, g in zip(seats, groups)):
+            return seats
+        vacant = sum(slot.adapter is None for slot in self.slots)
+        if vacant > len(adapters) or any(i is not None and len(g) != self.slots[i].rows
+                                         for i, g in zip(seats, groups)):
+            self.release()
+            seats = [None] * len(adapters)
+        self._drop_graphs()
+        optimizer = self.job.optimizer
+        for k, a in enumerate(adapters):
+            if seats[k] is None:
+                seats[k] = len(self.slots)
+                self.slots.append(_Slot.of(a, optimizer.adapters[a.trial_id]))
+        return seats
+
+    def vacate(self, adapter, state: AdapterOptState) -> bool:
+        """`adapter` leaves the job, its optimizer state `state`: whether its slot keeps its
+        buffers (and its layers its weights, renamed) for an adapter of its shape to take over,
+        so that the graphs stay as they are. False where it has no slot: it goes for good."""
+        slot = next((s for s in self.slots if s.adapter is adapter), None)
+        if slot is None:
+            return False
+        self.vacancies += 1
+        key = f"<vacant {self.vacancies}>"  # not a word: no trial's key
+        for name in slot.modules:
+            self.job.layers[name].rename_adapter(slot.key, key)
+        slot.adapter, slot.state, slot.key = None, state, key
+        return True
+
+    def vacancy(self, cfg, modules) -> Optional[_Slot]:
+        """A vacant slot a trial of `cfg` on `modules` can take over, if there is one: same
+        samples a step, rank and layers, and dropout masks drawn or not alike."""
+        return next((s for s in self.slots if s.fits(cfg, modules)), None)
+
+    def occupy(self, slot: _Slot, adapter) -> None:
+        """`adapter`, whose optimizer state took over `slot`'s buffers, takes the slot: the
+        vacant weights go from its layers."""
+        for name in slot.modules:
+            self.job.layers[name].delete_adapter(slot.key)
+        slot.adapter, slot.state, slot.key = adapter, self.job.optimizer.adapters[adapter.trial_id], adapter.key
+        slot.scaling, slot.dropout_p = adapter.cfg.scaling, adapter.cfg.dropout
+
+    def release(self) -> None:
+        """Drop every graph and slot; the vacant slots' weights go from their layers."""
+        self._drop_graphs()
+        for slot in self.slots:
+            if slot.adapter is None:
+                for name in slot.modules:
+                    self.job.layers[name].delete_adapter(slot.key)
+        self.slots = []
+
+    def _new_layout(self, tokens: int) -> _Layout:
         job, device = self.job, self.job.device
-        rows = [len(g) for g in groups]
-        n = len(adapters)
+        rows = [slot.rows for slot in self.slots]
+        n = len(rows)
         max_len = job.spec.max_seq_len
         pieces = -(-tokens // max_len)
         n_ints = 4 * tokens + sum(rows) + pieces + 1 + job.segments.num_layers * (n + 1)
@@ -244,22 +376,21 @@ class GraphedStep:
         if device.type == "cuda":
             host = {k: v.pin_memory() for k, v in host.items()}
         dev = {k: torch.zeros_like(v, device=device) for k, v in host.items()}
-        # the first step's layout; `_stage` fills the frame with each step's own
-        seg_lens = [sum(len(s) for s in g) for g in groups]
-        frame = TableFrame(seg_lens + [tokens - sum(seg_lens)], [r * max_len for r in rows] + [tokens])
-        return _Layout(adapters=list(adapters), rows=rows, tokens=tokens, pieces=pieces, ints=dev["ints"],
-                       table=dev["table"], out=dev["out"], adapter_index=torch.arange(n, device=device), host=host,
-                       frame=frame)
+        # a layout of every slot empty; `_stage` fills the frame with each step's own
+        frame = TableFrame([0] * n + [tokens], [r * max_len for r in rows] + [tokens])
+        return _Layout(rows=rows, tokens=tokens, pieces=pieces, ints=dev["ints"], table=dev["table"], out=dev["out"],
+                       slot_index=torch.arange(n, device=device), host=host, frame=frame)
 
     def _stage(self, layout: _Layout, groups, stepping: list[bool]) -> None:
-        """Write the step's values into the pinned buffers and queue their copies to the device.
-        The previous step's copies are done: `run` waits for the replay after them."""
+        """Write the step's values into the pinned buffers and queue their copies to the device:
+        `groups` and `stepping` by slot, a vacant one's empty. The previous step's copies are
+        done: `run` waits for the replay after them."""
         job, tokens = self.job, layout.tokens
         host = {k: v.numpy() for k, v in layout.views(layout.host["ints"], job.segments.num_layers).items()}
         ids, positions, targets, segment, offsets = (host[k].reshape(-1) for k in
                                                      ("ids", "positions", "targets", "segment", "offsets"))
         at = sample = 0
-        for i, group in enumerate(groups):
+        for i, (slot, group) in enumerate(zip(self.slots, groups)):
             for s in group:
                 n = len(s)
                 ids[at:at + n] = s.input_ids
@@ -269,31 +400,39 @@ class GraphedStep:
                 segment[at:at + n] = i
                 offsets[sample] = at
                 at, sample = at + n, sample + 1
+            offsets[sample:sample + slot.rows - len(group)] = at  # a vacant slot's samples: empty
+            sample += slot.rows - len(group)
         # the padding: pieces of at most max_seq_len tokens (the last ones may be empty)
         ids[at:], positions[at:], targets[at:], segment[at:] = job.pad_id, 0, IGNORE_INDEX, len(groups)
         piece = -(-(tokens - at) // layout.pieces)
         offsets[sample:] = np.minimum(at + piece * np.arange(layout.pieces + 1), tokens)
         table = layout.host["table"].numpy()
-        for i, (a, group, steps) in enumerate(zip(layout.adapters, groups, stepping)):
+        for i, (slot, group, steps) in enumerate(zip(self.slots, groups, stepping)):
             count = sum(s.loss_tokens for s in group)
-            table[i, 0] = 1.0 / (max(count, 1) * a.cfg.gradient_accumulation_steps)
-            job.optimizer.fill_device_row(a.trial_id, steps, table[i, 1:])
-        host["seeds"][:] = layer_seed_table([a.cfg.seed for a in layout.adapters] + [0],
-                                            [a.micro_steps for a in layout.adapters] + [0],
+            accumulation = slot.adapter.cfg.gradient_accumulation_steps if slot.adapter is not None else 1
+            table[i, 0] = 1.0 / (max(count, 1) * accumulation)
+            job.optimizer.fill_device_row(slot.state, steps, table[i, 1:])
+        occupants = [slot.adapter for slot in self.slots]
+        host["seeds"][:] = layer_seed_table([a.cfg.seed if a else 0 for a in occupants] + [0],
+                                            [a.micro_steps if a else 0 for a in occupants] + [0],
                                             job.segments.num_layers)
-        layout.frame.fill([sum(len(s) for s in g) for g in groups] + [tokens - at])
+        layout.frame.fill([sum(len(s) for s in g) for g in groups] + [tokens - at],
+                          [slot.scaling for slot in self.slots] + [0.0],
+                          [slot.dropout_p for slot in self.slots] + [0.0])
         layout.ints.copy_(layout.host["ints"], non_blocking=True)
         layout.table.copy_(layout.host["table"], non_blocking=True)
 
     def _forward_backward(self, layout: _Layout):
-        """(loss sums [adapters], gradients of every adapter parameter, those parameters): the
-        adapters' summed losses weighted by `loss_weight`, differentiated."""
+        """(loss sums [slots], gradients of every slot's parameters, those parameters): the
+        slots' summed losses weighted by `loss_weight`, differentiated (None for a parameter
+        the step did not use)."""
         job = self.job
-        params = [p for a in layout.adapters for p in job.optimizer.adapters[a.trial_id].params]
+        params = [p for slot in self.slots for p in slot.state.params]
         parts = layout.views(layout.ints, job.segments.num_layers)
-        job.segments.set([a.key for a in layout.adapters] + [PADDING_SEGMENT], layout.frame.seg_lens,
-                         [a.micro_steps for a in layout.adapters] + [0], [a.cfg.seed for a in layout.adapters] + [0],
-                         frame=layout.frame)
+        occupants = [slot.adapter for slot in self.slots]
+        job.segments.set([slot.key for slot in self.slots] + [PADDING_SEGMENT], layout.frame.seg_lens,
+                         [a.micro_steps if a else 0 for a in occupants] + [0],
+                         [a.cfg.seed if a else 0 for a in occupants] + [0], frame=layout.frame)
         job.segments.read_seeds_from(parts["seeds"])  # the Triton path's seeds, from the static buffer
         try:
             offsets, max_len = parts["offsets"].to(torch.int32), job.spec.max_seq_len
@@ -303,10 +442,11 @@ class GraphedStep:
             losses = lm_loss_rows(hidden[0], job.lm_head_weight, parts["targets"])
             # each adapter's sum over its own rows; `where`, not a product, so that a non-finite
             # loss of one adapter reaches no other's
-            mine = parts["segment"][None, :] == layout.adapter_index[:, None]
+            mine = parts["segment"][None, :] == layout.slot_index[:, None]
             sums = torch.where(mine, losses[None, :], 0.0).sum(dim=1)
             loss = (sums * layout.table[:, 0]).sum()
-            grads = torch.autograd.grad(loss, params)
+            # a vacant slot's rows are none: on the reference path its weights take no part
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
         finally:
             job.segments.clear()
         return sums, grads, params
@@ -314,50 +454,113 @@ class GraphedStep:
     def _step(self, layout: _Layout) -> None:
         """The whole micro-step on the static buffers: what a graph captures."""
         sums, grads, params = self._forward_backward(layout)
-        torch._foreach_add_([p.grad for p in params], list(grads))
-        norms = self.job.optimizer.step_on_device([a.trial_id for a in layout.adapters], layout.table[:, 1:], sums)
+        used = [(p.grad, g) for p, g in zip(params, grads) if g is not None]
+        torch._foreach_add_([p for p, _ in used], [g for _, g in used])
+        norms = self.job.optimizer.step_on_device([slot.state for slot in self.slots], layout.table[:, 1:], sums)
         layout.out[0].copy_(sums)
         layout.out[1].copy_(norms)
 
     def _drop_graphs(self) -> None:
-        """Forget every layout and its graph, and what padding into them has cost."""
+        """Forget every layout and its graph, and what each bucket has lost without one. The
+        next capture takes a new pool: the allocator frees this one once its graphs are gone,
+        and does not take captures into a pool whose graphs were all destroyed."""
         self.layouts.clear()
-        self.padding_s.clear()
+        self.lost_s.clear()
+        self.pool = None
 
-    def _capture_or_error(self, layout: _Layout) -> Optional[Exception]:
-        """`_capture(layout)`; what stopped it, if anything, without tracebacks (theirs and those
-        of the errors it was raised in), whose frames would keep the failed capture's tensors."""
-        try:
-            self._capture(layout)
-        except Exception as e:  # noqa: BLE001 - the caller decides
-            for error in _chain(e):
-                error.__traceback__ = None
-            return e
-        return None
-
-    def _capture(self, layout: _Layout) -> None:
-        """Warm up (a forward and backward on a side stream, gradients dropped: it compiles what
-        is not compiled yet), then capture `_step`. Memory cached for other streams (eager steps,
-        the warm-up) goes back to the device first: the warm-up and the graphs' pool each need a
-        step's activations, and at long sequences two copies of them do not fit."""
-        device = self.job.device
+    def _eager_step(self, layout: _Layout) -> bool:
+        """`_step` on `layout`'s buffers, eagerly: whether it trained. Beside the graphs' pool a
+        step may not fit; then it has trained nothing and its bucket is captured instead.
+        Raises `GraphCaptureError` on any other error."""
+        error = _error_of(self._train_eagerly, layout)
+        if error is None:
+            self.ran_eagerly = True
+            self.eager_steps += 1
+            return True
+        if not any(isinstance(e, torch.OutOfMemoryError) for e in _chain(error)):
+            self._drop_graphs()
+            raise GraphCaptureError(f"the training step on a CUDA graph's buffers failed: {error}") from error
+        self.lost_s[layout.tokens] = math.inf
         torch.cuda.empty_cache()
-        main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+        return False
+
+    def _train_and_capture(self, layout: _Layout) -> None:
+        """Train the step eagerly on `layout`'s buffers, then capture it for the next steps of
+        its bucket (`_train_eagerly`, `_capture`). Either, out of memory beside other
+        buckets' graphs, drops them and tries alone, once."""
+        error = self._alone_if_out_of_memory(self._train_eagerly, layout)
+        if error is not None:  # nothing trained: the job takes the step eagerly
+            self._drop_graphs()
+            raise GraphCaptureError(f"the training step on a CUDA graph's buffers failed: {error}") from error
+        error = self._alone_if_out_of_memory(self._capture, layout)
+        self.layouts[layout.tokens] = layout
+        if error is None:
+            layout.captured = self.captured = True
+            self.captures += 1
+        else:  # the step has trained; the job goes back to eager steps after it
+            self._drop_graphs()
+            self.failure = GraphCaptureError(f"capturing the training step in a CUDA graph failed: {error}")
+            self.failure.__cause__ = error
+
+    def _alone_if_out_of_memory(self, attempt, layout: _Layout) -> Optional[Exception]:
+        """`attempt(layout)`'s error, if any (`_error_of`). If it ran out of memory while other
+        buckets' graphs hold the pool, those are dropped and it is attempted once more, alone:
+        the pool keeps their blocks, and a larger bucket's tensors do not fit in them (later
+        captures of smaller buckets reuse this one's)."""
+        error = _error_of(attempt, layout)
+        others = any(other.captured for other in self.layouts.values() if other is not layout)
+        if others and any(isinstance(e, torch.OutOfMemoryError) for e in _chain(error)):
+            self._drop_graphs()
+            torch.cuda.empty_cache()
+            error = _error_of(attempt, layout)
+        return error
+
+    def _train_eagerly(self, layout: _Layout) -> None:
+        """`_step` run eagerly on `layout`'s buffers, on a side stream on CUDA: a step of a
+        bucket without a graph trains this way, and one about to be captured compiles and
+        warms up all that its capture records. Not on the default stream: autograd keeps the
+        stream a parameter was first used on with it, and a capture fails where that is the
+        default (legacy) stream. If it fails it has trained nothing: gradients reach the
+        adapters only after the whole forward and backward."""
+        if not layout.ints.is_cuda:
+            self._step(layout)
+            return
+        main, side = torch.cuda.current_stream(layout.ints.device), torch.cuda.Stream(layout.ints.device)
         with warnings.catch_warnings():
             # the adapters' AccumulateGrad nodes were made by eager steps on another stream; the
             # gradients are taken with autograd.grad, which never runs them
             warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream")
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                self._forward_backward(layout)
+                self._step(layout)
             main.wait_stream(side)
-            torch.cuda.empty_cache()
+
+    def _capture(self, layout: _Layout) -> None:
+        """Record `_step` into `layout`'s graph, without running it. Memory cached for other
+        streams (eager steps, the step before the capture) goes back to the device first: that
+        step and the graphs' pool each need a step's activations, and at long sequences two
+        copies of them do not fit."""
+        torch.cuda.empty_cache()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream")
             graph = torch.cuda.CUDAGraph()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self.pool):
                 self._step(layout)
         layout.graph = graph
+
+
+def _error_of(attempt, layout: _Layout) -> Optional[Exception]:
+    """What stopped `attempt(layout)`, if anything, without tracebacks (its own and those of the
+    errors it was raised in), whose frames would keep the failed attempt's tensors."""
+    try:
+        attempt(layout)
+    except Exception as e:  # noqa: BLE001 - the caller decides
+        for error in _chain(e):
+            error.__traceback__ = None
+        return e
+    return None
 
 
 def _chain(error: Optional[BaseException]):

@@ -152,6 +152,17 @@ class MultiLoRALinear(nn.Module):
         self.lora_dropout[name] = float(dropout)
         self._adapters[name] = (lora_a.weight, lora_b.weight, float(scaling), float(dropout))
 
+    def rename_adapter(self, name: str, new_name: str) -> None:
+        """Adapter `name`, its weights and settings as they are, is `new_name` from now on; a
+        layer without it is left alone."""
+        if name not in self._adapters:
+            return
+        for attr in self.adapter_layer_names:
+            getattr(self, attr)[new_name] = getattr(self, attr).pop(name)
+        for attr in self.other_param_names:
+            getattr(self, attr)[new_name] = getattr(self, attr).pop(name)
+        self._adapters[new_name] = self._adapters.pop(name)
+
     def delete_adapter(self, name: str) -> None:
         for attr in self.adapter_layer_names:
             if name in getattr(self, attr):

@@ -9,13 +9,15 @@ packed job of 32 adapters on a 16-layer model steps 32 tensors, not 7,000. The a
 updated alone by torch's AdamW.
 
 `step_on_device` is the same update with every per-step value in a device table, for a
-step captured in a CUDA graph: nothing in it reads a value back to the host.
+step captured in a CUDA graph: nothing in it reads a value back to the host. Such a graph
+reads each adapter's buffers at their addresses, so an adapter may take over the buffers of
+one that left (`add(..., storage=)`): the graph then steps it in that one's place.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Callable
 
 import torch
@@ -41,33 +43,45 @@ def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int],
 @dataclass
 class AdapterOptState:
     """One adapter's weights, gradient and AdamW moments, each one flat buffer. `params` are
-    views into `flat` (its layers' weights); each param's `.grad` is a view into `grad`."""
+    views into `flat` (its layers' weights); each param's `.grad` is a view into `grad`. With
+    `storage` (the state of an adapter that left, of the same parameter shapes and dtype)
+    the buffers are that one's, refilled: the weights with `params`' values, the rest zeros."""
 
     params: list[torch.Tensor]
     lr: float
     schedule: Callable[[int], float]
     weight_decay: float
     max_grad_norm: float | None
+    storage: InitVar["AdapterOptState | None"] = None
     flat: torch.Tensor = field(init=False)
     grad: torch.Tensor = field(init=False)
     exp_avg: torch.Tensor = field(init=False)
     exp_avg_sq: torch.Tensor = field(init=False)
     step: int = 0  # optimizer steps taken
 
-    def __post_init__(self):
+    def __post_init__(self, storage):
         # Move the weights into one buffer; the Parameter objects (and the layers holding
         # them) stay the same, only their storage changes.
         with torch.no_grad():
-            self.flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-        self.grad = torch.zeros_like(self.flat)
+            values = torch.cat([p.detach().reshape(-1) for p in self.params])
+            if storage is None:
+                self.flat = values
+                self.grad, self.exp_avg, self.exp_avg_sq = (torch.zeros_like(values) for _ in range(3))
+            else:
+                old = storage
+                if [p.shape for p in old.params] != [p.shape for p in self.params] or old.flat.dtype != values.dtype:
+                    raise ValueError("An adapter takes over only the storage of one of the same parameter shapes "
+                                     "and dtype.")
+                self.flat, self.grad, self.exp_avg, self.exp_avg_sq = old.flat, old.grad, old.exp_avg, old.exp_avg_sq
+                self.flat.copy_(values)
+                for buffer in (self.grad, self.exp_avg, self.exp_avg_sq):
+                    buffer.zero_()
         offset = 0
         for p in self.params:
             n = p.numel()
             p.data = self.flat[offset:offset + n].view_as(p)
             p.grad = self.grad[offset:offset + n].view_as(p)
             offset += n
-        self.exp_avg = torch.zeros_like(self.flat)
-        self.exp_avg_sq = torch.zeros_like(self.flat)
 
     @property
     def current_lr(self) -> float:
@@ -75,7 +89,7 @@ class AdapterOptState:
 
 
 # Columns of `PackedAdamW.step_on_device`'s table, one row per adapter.
-DEVICE_COLS = ("lr", "step", "stepping", "max_grad_norm")
+DEVICE_COLS = ("lr", "step", "stepping", "max_grad_norm", "weight_decay")
 
 
 class PackedAdamW:
@@ -87,13 +101,16 @@ class PackedAdamW:
         self.adapters: dict[str, AdapterOptState] = {}
 
     def add(self, name: str, params: list[torch.Tensor], lr: float, schedule: Callable[[int], float],
-            weight_decay: float, max_grad_norm: float | None) -> None:
+            weight_decay: float, max_grad_norm: float | None, storage: AdapterOptState | None = None) -> None:
         """Take over an adapter's parameters: from here on their storage is one flat buffer
-        and their `.grad` views of a flat gradient, zero until a backward adds to it."""
-        self.adapters[name] = AdapterOptState(list(params), lr, schedule, weight_decay, max_grad_norm or None)
+        and their `.grad` views of a flat gradient, zero until a backward adds to it. With
+        `storage` (what `remove` returned for an adapter of the same shapes), those buffers."""
+        self.adapters[name] = AdapterOptState(list(params), lr, schedule, weight_decay, max_grad_norm or None,
+                                              storage)
 
-    def remove(self, name: str) -> None:
-        self.adapters.pop(name, None)
+    def remove(self, name: str) -> AdapterOptState | None:
+        """Forget adapter `name`; returns its state (its buffers), if it had one."""
+        return self.adapters.pop(name, None)
 
     def grad_norms(self, names: list[str]) -> torch.Tensor:
         """Each adapter's total gradient L2 norm, [len(names)], one foreach pass."""
@@ -130,37 +147,43 @@ class PackedAdamW:
             torch._foreach_add_(denom, self.eps)
             torch._foreach_addcdiv_(params, exp_avg, denom, step_size)
 
-    def step_on_device(self, names: list[str], table: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
-        """`step`, with the host's per-step values in `table` (fp32, [len(names), len(DEVICE_COLS)],
-        on the adapters' device) and nothing read back: capturable in a CUDA graph.
+    def step_on_device(self, states: list[AdapterOptState], table: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+        """`step` of the adapters whose states are `states`, with the host's per-step values in
+        `table` (fp32, [len(states), len(DEVICE_COLS)], on the adapters' device) and nothing
+        read back: capturable in a CUDA graph, whose replays may step other adapters in the
+        same buffers (`add(..., storage=)`).
 
-        For adapter i, with g its gradient and n = ||g||:
+        For adapter i, with w its weights, g its gradient and n = ||g||:
             clip_i = min(1, max_grad_norm_i / (n + 1e-6))   (1 without max_grad_norm)
-            AdamW on clip_i * g at lr_i and step count step_i (torch's fused AdamW)
+            w *= 1 - lr_i * weight_decay_i                   (AdamW's decoupled decay)
+            Adam on clip_i * g at lr_i and step count step_i (torch's fused AdamW, no decay)
             g = 0 after the update
         An adapter whose `stepping` is 0 (inside its accumulation window) keeps its weights,
-        moments and gradient; one whose norm or loss (`losses`, [len(names)]) is not finite
-        keeps its weights and moments. Returns the gradient norms, [len(names)]."""
-        states = [self.adapters[n] for n in names]
+        moments and gradient; one whose norm or loss (`losses`, [len(states)]) is not finite
+        keeps its weights and moments. Returns the gradient norms, [len(states)]."""
         norms = torch.stack(torch._foreach_norm([s.grad for s in states])).float()
-        lr, step, stepping, max_norm = table.unbind(1)
+        lr, step, stepping, max_norm, weight_decay = table.unbind(1)
         clip = torch.where(max_norm > 0, (max_norm / (norms + 1e-6)).clamp(max=1.0), 1.0)
         finite = torch.isfinite(norms) & torch.isfinite(losses)
         grad_scale = torch.where(finite, 1.0 / clip, 1.0)  # the fused AdamW divides g by it
-        skip = (~finite | (stepping == 0)).float()  # the fused AdamW leaves an adapter alone where 1
+        skip = ~finite | (stepping == 0)  # the fused AdamW leaves an adapter alone where 1
+        decay = torch.where(skip, 1.0, 1.0 - lr * weight_decay)
+        torch._foreach_mul_([s.flat for s in states], list(decay.unbind(0)))
+        skip = skip.float()
         for i, s in enumerate(states):
             torch._fused_adamw_([s.flat], [s.grad], [s.exp_avg], [s.exp_avg_sq], [], [step[i]], lr=lr[i],
-                                beta1=self.beta1, beta2=self.beta2, weight_decay=s.weight_decay, eps=self.eps,
+                                beta1=self.beta1, beta2=self.beta2, weight_decay=0.0, eps=self.eps,
                                 amsgrad=False, maximize=False, grad_scale=grad_scale[i], found_inf=skip[i])
         keep = 1.0 - stepping
         torch._foreach_mul_([s.grad for s in states], list(keep.unbind(0)))
         return norms
 
-    def fill_device_row(self, name: str, stepping: bool, row) -> None:
-        """Adapter `name`'s row of `step_on_device`'s table (a writable sequence of
-        len(DEVICE_COLS) floats) for the coming micro-step."""
-        s = self.adapters[name]
-        row[:] = (s.current_lr, s.step + 1, 1.0, s.max_grad_norm or 0.0) if stepping else (0.0, 1.0, 0.0, 0.0)
+    @staticmethod
+    def fill_device_row(s: AdapterOptState, stepping: bool, row) -> None:
+        """The row of `step_on_device`'s table (a writable sequence of len(DEVICE_COLS) floats)
+        of the adapter whose state is `s`, for the coming micro-step."""
+        row[:] = (s.current_lr, s.step + 1, 1.0, s.max_grad_norm or 0.0, s.weight_decay) if stepping \
+            else (0.0, 1.0, 0.0, 0.0, 0.0)
 
     def count_step(self, names: list[str]) -> None:
         """Record an optimizer step that `step_on_device` took for each of `names`."""

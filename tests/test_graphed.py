@@ -3,8 +3,10 @@ own step trains, and its optimizer update is `PackedAdamW.step`'s."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -57,8 +59,8 @@ def test_step_on_device_is_the_host_step():
         host.zero_grad(ok)
         table = torch.empty(len(names), len(DEVICE_COLS))
         for i, (n, s) in enumerate(zip(names, stepping)):
-            device.fill_device_row(n, s, table[i].numpy())
-        device_norms = device.step_on_device(names, table, losses)
+            device.fill_device_row(device.adapters[n], s, table[i].numpy())
+        device_norms = device.step_on_device([device.adapters[n] for n in names], table, losses)
         device.count_step(ok)
         assert device_norms[0].item() == pytest.approx(norms[0], rel=1e-6)
         nan_adapter = names[3]
@@ -92,16 +94,26 @@ def test_token_buckets(tiny_llama_dir, toy_data, tmp_path):
         return Sample(tuple(range(n)), tuple(range(n)))
 
     assert step.bucket([[sample(30), sample(40)], [sample(60)]]) == token_bucket(130)
-    # a bucket runs padded in a larger captured one until that padding has cost a capture's time
-    step.layouts[256], step.capture_s = None, 1.0
+    # a bucket runs padded in a larger captured one until that padding has cost as much as a
+    # capture: here its step's 2 s, less a replay's 1 s (the job's first capture compiled: not counted)
+    step.layouts[256] = SimpleNamespace(captured=True)
+    step.capture_steps = [(30.0, 256), (2.0, 256)]
 
     def run_once():
         step.last_tokens = step._bucket_to_run([[sample(20)]])
-        step.record(1, True, 1.0, 20, timed=True)  # each step padded to 256 loses 0.75 s of its 1 s
+        step.record(1, True, 1.0 * step.last_tokens / 256, 20, timed=True)  # a replay: 1 s per 256 tokens
         return step.last_tokens
 
-    assert [run_once() for _ in range(4)] == [256, 256, 64, 64]
-    assert step.padding_s == {64: 1.5}
+    assert [run_once() for _ in range(4)] == [256, 256, 64, 64]  # each step padded to 256 loses 0.75 s
+    assert step.lost_s == {64: 1.5}
+    # a bucket larger than every captured one runs eagerly until that has cost as much as a capture
+    assert step._replay_s(512) == pytest.approx(2.0) and step._runs_eagerly(512)
+    step.asked = step.last_tokens = 512
+    step.ran_eagerly = True
+    step.record(1, True, 2.6, 300, timed=True)
+    assert step.lost_s[512] == pytest.approx(0.6) and step._runs_eagerly(512)
+    step.record(1, True, 2.6, 300, timed=True)
+    assert not step._runs_eagerly(512)
     job.microbatch_tokens = 128  # and never past the job's cap on tokens per forward
     assert step.takes([[sample(70), sample(1)]]) and not step.takes([[sample(70)], [sample(60)]])
     assert step._bucket_to_run([[sample(50)], [sample(50)]]) == 128
@@ -196,8 +208,9 @@ def _two_trials(tiny_llama_dir, toy_data, path) -> PackedJob:
 
 
 def test_a_failed_capture_sends_the_job_back_to_eager_steps(tiny_llama_dir, toy_data, tmp_path, monkeypatch):
-    """A capture that raises (out of memory, an op a graph cannot hold) trains nothing: the job
-    warns, drops its graphs and takes that step and the next ones eagerly, as a job without them."""
+    """A capture that raises (out of memory, an op a graph cannot hold) comes after its step has
+    trained on the graph's buffers: the job warns, drops its graphs and takes the next steps
+    eagerly, and has trained every step once (to fp32 rounding: the graphed step pads)."""
     def capture_fails(self, layout):
         raise torch.OutOfMemoryError("CUDA out of memory while capturing")
 
@@ -208,6 +221,29 @@ def test_a_failed_capture_sends_the_job_back_to_eager_steps(tiny_llama_dir, toy_
         if graphs:
             job.graphed_step = GraphedStep(job)
             with pytest.warns(UserWarning, match="capturing the training step in a CUDA graph failed: CUDA out of"):
+                job.step()
+            assert job.graphed_step is None and job.step_stats[-1]["graphed"]
+        while len(job.step_stats) < 4:
+            job.step()
+        assert not any(s["graphed"] for s in job.step_stats[1:])
+        weights.append([job.optimizer.adapters[t].flat.clone() for t in ("a", "b")])
+    assert all(rel(x, y) < 1e-5 for x, y in zip(*weights))
+
+
+def test_a_step_that_fails_before_its_capture_is_taken_eagerly(tiny_llama_dir, toy_data, tmp_path, monkeypatch):
+    """A new layout's step that fails on the graph's buffers, before any capture, trains
+    nothing: the job warns and takes that step and the next ones eagerly, as a job without
+    graphs, bit for bit."""
+    def step_fails(self, layout):
+        raise torch.OutOfMemoryError("CUDA out of memory in the forward")
+
+    monkeypatch.setattr(GraphedStep, "_forward_backward", step_fails)
+    weights = []
+    for graphs in (False, True):
+        job = _two_trials(tiny_llama_dir, toy_data, tmp_path / str(graphs))
+        if graphs:
+            job.graphed_step = GraphedStep(job)
+            with pytest.warns(UserWarning, match="the training step on a CUDA graph's buffers failed: CUDA out of"):
                 job.step()
             assert job.graphed_step is None and not job.step_stats[-1]["graphed"]
         while len(job.step_stats) < 4:
@@ -224,11 +260,12 @@ def test_a_capture_out_of_memory_beside_other_graphs_drops_them_and_captures_alo
     captured = []
 
     def capture_fails_beside_others(self, layout):
-        if self.layouts:
+        if any(other.captured for other in self.layouts.values()):
             raise torch.OutOfMemoryError("CUDA out of memory while capturing")
         captured.append(layout.tokens)  # an eager step on the static buffers stands for the graph
 
     monkeypatch.setattr(GraphedStep, "_capture", capture_fails_beside_others)
+    monkeypatch.setattr(GraphedStep, "_runs_eagerly", lambda self, tokens: False)  # every new bucket is captured
     weights = []
     for graphs in (False, True):
         job = _two_trials(tiny_llama_dir, toy_data, tmp_path / str(graphs))
@@ -241,6 +278,92 @@ def test_a_capture_out_of_memory_beside_other_graphs_drops_them_and_captures_alo
         if graphs:
             assert all(s["graphed"] for s in job.step_stats)
             assert len(captured) >= 2 and job.graphed_step.captures == len(captured)
-            assert list(job.graphed_step.layouts) == [captured[-1]]  # each capture alone in the pool
+            layouts = job.graphed_step.layouts
+            assert [n for n in layouts if layouts[n].captured] == [captured[-1]]  # each capture alone in the pool
         weights.append([job.optimizer.adapters[t].flat.clone() for t in ("a", "b")])
     assert all(rel(x, y) < 1e-5 for x, y in zip(*weights))
+
+
+def test_a_bucket_without_a_graph_runs_eagerly_on_its_buffers(tiny_llama_dir, toy_data, tmp_path, monkeypatch):
+    """A step whose bucket `_runs_eagerly` keeps from capture trains on that bucket's buffers,
+    eagerly, as the job's own step would; one that runs out of memory there (beside the
+    graphs' pool) has trained nothing, and its bucket is captured instead."""
+    captured, paths = [], []
+    monkeypatch.setattr(GraphedStep, "_capture", lambda self, layout: captured.append(layout.tokens))
+    monkeypatch.setattr(GraphedStep, "_runs_eagerly", lambda self, tokens: bool(captured))  # once one is
+    monkeypatch.setattr(GraphedStep, "_capture_cost_s", lambda self: None)  # no step pads into a larger bucket
+    real_step = GraphedStep._step
+
+    def out_of_memory_once_beside_a_graph(self, layout):
+        if "eager" in paths and "oom" not in paths and not layout.captured:  # its second eager step
+            paths.append("oom")
+            raise torch.OutOfMemoryError("CUDA out of memory beside the graphs")
+        real_step(self, layout)
+
+    monkeypatch.setattr(GraphedStep, "_step", out_of_memory_once_beside_a_graph)
+    weights = []
+    for graphs in (False, True):
+        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphs), eval_every=100, padding="packed"),
+                        four_trials(), progress=False)
+        if graphs:
+            job.graphed_step = GraphedStep(job)
+        for _ in range(9):
+            job.step()
+            if graphs:
+                step = job.graphed_step
+                paths.append("captured" if step.captured else "eager" if step.ran_eagerly else "replayed")
+        weights.append([job.optimizer.adapters[t].flat.clone() for t in "abcd"])
+    assert paths.count("oom") == 1 and len(captured) == 2 and paths.count("captured") == 2
+    assert paths[paths.index("oom") + 1] == "captured" and paths.index("eager") < paths.index("oom")
+    assert all(rel(x, y) < 1e-5 for x, y in zip(*weights))
+
+
+def test_a_trial_of_the_same_shape_takes_over_a_leavers_slot(tiny_llama_dir, toy_data, tmp_path, monkeypatch):
+    """A trial that leaves keeps its slot: the graphs go on with it empty, and a trial of its
+    shape (rank, layers, samples a step, dropout or not) that joins later takes over its
+    buffers, whatever its learning rate, alpha or weight decay. A trial of another shape gets
+    a slot of its own, at the end, the vacant ones kept. No (bucket, slot count) is captured
+    twice, and every trial trains as in a job without graphs."""
+    captured = []
+    monkeypatch.setattr(GraphedStep, "_capture", lambda self, layout: captured.append((layout.tokens, len(self.slots))))
+    monkeypatch.setattr(GraphedStep, "_runs_eagerly", lambda self, tokens: False)  # every new bucket is captured
+    monkeypatch.setattr(GraphedStep, "_capture_cost_s", lambda self: None)  # no step pads into a larger bucket
+    a, b, c, d = four_trials()
+    like_b = ls.TrialConfig(rank=8, alpha=32, learning_rate=4e-3, batch_size=2, dropout=0.0, max_steps=10,
+                            weight_decay=0.3, lr_scheduler="constant", seed=9, trial_id="e")
+    like_none = ls.TrialConfig(rank=4, alpha=4, learning_rate=1e-3, batch_size=3, dropout=0.0, max_steps=10,
+                               seed=5, trial_id="f")
+    # d: rank 8 on attention only; f: a's rank, three samples a step
+    schedule = {3: ((), ("b",)), 5: ((like_b,), ()), 7: ((d,), ()), 8: ((like_none,), ("a",))}
+    runs = []
+    for graphs in (False, True):
+        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphs), eval_every=100, padding="packed"),
+                        [a, b, c], progress=False)
+        if graphs:
+            job.graphed_step = GraphedStep(job)
+        buffers, losses = {}, {}
+        for k in range(10):
+            adds, removes = schedule.get(k, ((), ()))
+            for tid in removes:
+                job.remove_trial(tid)
+            for cfg in adds:
+                job.add_trial(dataclasses.replace(cfg))
+            if graphs and k == 6:
+                assert len(captured) == len(set(captured)) and max(n for _, n in captured) == 3
+            job.step()
+            for tid, adapter in job.active.items():
+                window = adapter.window_losses  # the micro-step's loss, until its optimizer step averages them
+                losses.setdefault(tid, []).append(window[-1] if window else adapter.report_losses[-1])
+                buffers.setdefault(tid, job.optimizer.adapters[tid].flat.data_ptr())
+        runs.append((losses, {t: job.optimizer.adapters[t].flat.clone() for t in job.active}, buffers))
+        slots = job.graphed_step.slots if graphs else None
+    (eager_losses, eager_weights, _), (losses, weights, buffers) = runs
+    assert buffers["e"] == buffers["b"] and buffers["d"] not in (buffers["a"], buffers["c"], buffers["e"])
+    assert buffers["f"] != buffers["a"] and [slot.adapter and slot.adapter.cfg.trial_id for slot in slots] == \
+        [None, "e", None, "d", "f"]  # a removed, c finished
+    assert len(captured) == len(set(captured)) and {n for _, n in captured} == {3, 4, 5}
+    assert losses.keys() == eager_losses.keys() == {"a", "b", "c", "d", "e", "f"}
+    for t in losses:
+        assert losses[t] == pytest.approx(eager_losses[t], rel=1e-5), t
+    for t in weights:
+        assert rel(weights[t], eager_weights[t]) < 1e-5, t

@@ -12,6 +12,7 @@ import torch
 
 import lora_sweep as ls
 from lora_sweep.engine import Failed
+from lora_sweep.graphed import GraphedStep
 from lora_sweep.tiny import tiny_model_path
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -37,10 +38,12 @@ def rows():
 
 
 def trials():
-    return [ls.TrialConfig(rank=r, alpha=2 * r, learning_rate=lr, batch_size=b, dropout=p, max_steps=10**6, seed=i,
-                           trial_id=f"t{i}")
-            for i, (r, lr, b, p) in enumerate([(8, 1e-3, 2, 0.0), (16, 3e-4, 4, 0.0), (64, 5e-4, 1, 0.05),
-                                               (3, 1e-3, 3, 0.1), (16, 5e-4, 1, 0.1)])]
+    """t0-t3 start; t4 joins later in a shape of its own, t5 in t1's (other lr, alpha and weight decay)."""
+    return [ls.TrialConfig(rank=r, alpha=a, learning_rate=lr, batch_size=b, dropout=p, weight_decay=wd,
+                           max_steps=10**6, seed=i, trial_id=f"t{i}")
+            for i, (r, a, lr, b, p, wd) in enumerate([(8, 16, 1e-3, 2, 0.0, 0.0), (16, 32, 3e-4, 4, 0.0, 0.0),
+                                                      (64, 128, 5e-4, 1, 0.05, 0.0), (3, 6, 1e-3, 3, 0.1, 0.0),
+                                                      (16, 32, 5e-4, 1, 0.1, 0.0), (16, 8, 2e-3, 4, 0.0, 0.1)])]
 
 
 def train(tmp_path, graphs: bool, schedule=None, poison=None, run="run"):
@@ -50,7 +53,7 @@ def train(tmp_path, graphs: bool, schedule=None, poison=None, run="run"):
                       eval_every=10**6, output_dir=str(tmp_path / f"{run}-graphs{graphs}"), device="cuda",
                       cuda_graphs=graphs)
     all_trials = {t.trial_id: t for t in trials()}
-    first = [t for t in all_trials.values() if t.trial_id != "t4"]
+    first = [t for t in all_trials.values() if t.trial_id not in ("t4", "t5")]
     job = ls.PackedJob(spec, first, progress=False)
     losses: dict[str, list[float]] = {}
     events = []
@@ -81,7 +84,8 @@ def test_graphed_step_trains_like_the_eager_step(tmp_path):
     graphed, job, _ = train(tmp_path, graphs=True)
     eager, eager_job, _ = train(tmp_path, graphs=False)
     assert all(s["graphed"] for s in job.step_stats) and not any(s["graphed"] for s in eager_job.step_stats)
-    assert job.graphed_step.captures == len({s["padded_tokens"] for s in job.step_stats})  # one per bucket run
+    buckets = {s["padded_tokens"] for s in job.step_stats}
+    assert 1 <= job.graphed_step.captures <= len(buckets)  # at most one per bucket run; some may run eagerly
     close(graphed, eager, first=1e-2, drift=3e-2)
     for tid in eager:
         assert graphed[tid][-1] < graphed[tid][0]
@@ -89,13 +93,29 @@ def test_graphed_step_trains_like_the_eager_step(tmp_path):
         assert ((w - w_eager).norm() / w_eager.norm()).item() < 2e-2
 
 
-def test_join_and_leave_under_graphs(tmp_path):
-    schedule = {5: (("t4",), ()), 12: ((), ("t1",))}
+def captures_recorded(monkeypatch) -> list:
+    """Every capture's (bucket, slots), from here on."""
+    captured, capture = [], GraphedStep._capture
+
+    def recorded(self, layout):
+        captured.append((layout.tokens, len(self.slots)))
+        capture(self, layout)
+
+    monkeypatch.setattr(GraphedStep, "_capture", recorded)
+    return captured
+
+
+def test_join_and_leave_under_graphs(tmp_path, monkeypatch):
+    """A join in a shape of its own takes a slot of its own (new graphs); a leave keeps its
+    slot, vacant, and a join in its shape takes that over: no (bucket, slots) is captured twice."""
+    captured = captures_recorded(monkeypatch)
+    schedule = {5: (("t4",), ()), 9: ((), ("t1",)), 12: (("t5",), ())}
     graphed, job, _ = train(tmp_path, graphs=True, schedule=schedule)
     eager, _, _ = train(tmp_path, graphs=False, schedule=schedule)
-    assert set(job.active) == {"t0", "t2", "t3", "t4"}
-    assert len(graphed["t4"]) == STEPS - 5 and len(graphed["t1"]) == 12
-    assert job.graphed_step.captures >= 3  # new layouts after the join and after the leave
+    assert set(job.active) == {"t0", "t2", "t3", "t4", "t5"}
+    assert len(graphed["t4"]) == STEPS - 5 and len(graphed["t1"]) == 9 and len(graphed["t5"]) == STEPS - 12
+    assert [slot.adapter.cfg.trial_id for slot in job.graphed_step.slots] == ["t0", "t5", "t2", "t3", "t4"]
+    assert len(captured) == len(set(captured)) and {n for _, n in captured} == {4, 5}, captured
     close(graphed, eager, first=1e-2, drift=3e-2)
 
 

@@ -207,49 +207,34 @@ def _two_trials(tiny_llama_dir, toy_data, path) -> PackedJob:
                      progress=False)
 
 
-def test_a_failed_capture_sends_the_job_back_to_eager_steps(tiny_llama_dir, toy_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fails", ["capture", "step"])
+def test_a_failure_to_capture_sends_the_job_back_to_eager_steps(tiny_llama_dir, toy_data, tmp_path, monkeypatch,
+                                                                fails):
     """A capture that raises (out of memory, an op a graph cannot hold) comes after its step has
-    trained on the graph's buffers: the job warns, drops its graphs and takes the next steps
-    eagerly, and has trained every step once (to fp32 rounding: the graphed step pads)."""
-    def capture_fails(self, layout):
-        raise torch.OutOfMemoryError("CUDA out of memory while capturing")
+    trained on the graph's buffers; a new bucket's step that raises before its capture has
+    trained nothing. Either way the job warns, drops its graphs and takes the next steps
+    eagerly, and has trained every step once: as a job without graphs, to fp32 rounding where
+    the first step trained padded on the graph's buffers, bit for bit where it did not."""
+    def out_of_memory(self, layout):
+        raise torch.OutOfMemoryError(f"CUDA out of memory in the {fails}")
 
-    monkeypatch.setattr(GraphedStep, "_capture", capture_fails)
+    monkeypatch.setattr(GraphedStep, "_capture" if fails == "capture" else "_forward_backward", out_of_memory)
+    message = {"capture": "capturing the training step in a CUDA graph failed",
+               "step": "the training step on a CUDA graph's buffers failed"}[fails]
     weights = []
     for graphs in (False, True):
         job = _two_trials(tiny_llama_dir, toy_data, tmp_path / str(graphs))
         if graphs:
             job.graphed_step = GraphedStep(job)
-            with pytest.warns(UserWarning, match="capturing the training step in a CUDA graph failed: CUDA out of"):
+            with pytest.warns(UserWarning, match=f"{message}: CUDA out of memory in the {fails}"):
                 job.step()
-            assert job.graphed_step is None and job.step_stats[-1]["graphed"]
+            assert job.graphed_step is None and job.step_stats[-1]["graphed"] == (fails == "capture")
         while len(job.step_stats) < 4:
             job.step()
         assert not any(s["graphed"] for s in job.step_stats[1:])
         weights.append([job.optimizer.adapters[t].flat.clone() for t in ("a", "b")])
-    assert all(rel(x, y) < 1e-5 for x, y in zip(*weights))
-
-
-def test_a_step_that_fails_before_its_capture_is_taken_eagerly(tiny_llama_dir, toy_data, tmp_path, monkeypatch):
-    """A new layout's step that fails on the graph's buffers, before any capture, trains
-    nothing: the job warns and takes that step and the next ones eagerly, as a job without
-    graphs, bit for bit."""
-    def step_fails(self, layout):
-        raise torch.OutOfMemoryError("CUDA out of memory in the forward")
-
-    monkeypatch.setattr(GraphedStep, "_forward_backward", step_fails)
-    weights = []
-    for graphs in (False, True):
-        job = _two_trials(tiny_llama_dir, toy_data, tmp_path / str(graphs))
-        if graphs:
-            job.graphed_step = GraphedStep(job)
-            with pytest.warns(UserWarning, match="the training step on a CUDA graph's buffers failed: CUDA out of"):
-                job.step()
-            assert job.graphed_step is None and not job.step_stats[-1]["graphed"]
-        while len(job.step_stats) < 4:
-            job.step()
-        weights.append([job.optimizer.adapters[t].flat.clone() for t in ("a", "b")])
-    assert all(torch.equal(x, y) for x, y in zip(*weights))
+    same = (lambda x, y: rel(x, y) < 1e-5) if fails == "capture" else torch.equal
+    assert all(same(x, y) for x, y in zip(*weights))
 
 
 def test_a_capture_out_of_memory_beside_other_graphs_drops_them_and_captures_alone(tiny_llama_dir, toy_data,

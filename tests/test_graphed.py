@@ -74,6 +74,30 @@ def test_step_on_device_is_the_host_step():
             torch.testing.assert_close(device.adapters[n].grad, host.adapters[n].grad)
 
 
+def test_an_adapter_takes_over_the_buffers_of_one_that_left():
+    """`PackedAdamW.add(storage=)`: the new adapter's weights, gradient and moments are the old
+    one's buffers, refilled as a fresh adapter's would be; other shapes are refused."""
+    opt = PackedAdamW()
+    opt.add("old", [torch.randn(3, 4), torch.randn(5, 3)], 1e-2, lr_lambda("constant", 0, 10), 0.1, 1.0)
+    old = opt.adapters["old"]
+    old.grad.normal_()
+    old.exp_avg.normal_()
+    old.exp_avg_sq.uniform_()
+    gone = opt.remove("old")
+    new_params = [torch.randn(3, 4), torch.randn(5, 3)]
+    values = [p.clone() for p in new_params]
+    opt.add("new", new_params, 3e-3, lr_lambda("linear", 2, 10), 0.0, None, storage=gone)
+    new = opt.adapters["new"]
+    assert new.flat is gone.flat and new.grad is gone.grad and new.exp_avg_sq is gone.exp_avg_sq
+    assert all(torch.equal(p, v) for p, v in zip(new_params, values)) and new.step == 0
+    assert not new.grad.any() and not new.exp_avg.any() and not new.exp_avg_sq.any()
+    assert new_params[1].data_ptr() == gone.flat[12:].data_ptr()
+    opt.remove("new")
+    with pytest.raises(ValueError, match="same parameter shapes"):
+        opt.add("other", [torch.randn(2, 4), torch.randn(5, 2)], 1e-3, lr_lambda("constant", 0, 10), 0.0, None,
+                storage=new)
+
+
 def test_layer_seed_table_is_what_layers_compute():
     table = SegmentTable()
     table.num_layers = 5

@@ -307,16 +307,17 @@ class GraphedStep:
     def _seat(self, adapters, groups) -> list[int]:
         """Each adapter's slot. One without a slot (it joined, and no vacant slot had its shape)
         gets a new one at the end, and the graphs, made for fewer slots, go: each bucket is
-        captured at most once per slot count. Where vacant slots would then outnumber the
-        adapters, or an adapter draws another number of samples than its slot, the slots are
-        made anew: one per adapter, in their order."""
+        captured at most once per slot count. Where more than a quarter of the slots would then
+        be vacant (their buffers hold memory the job's admission does not count), or an adapter
+        draws another number of samples than its slot, the slots are made anew: one per
+        adapter, in their order."""
         where = {id(slot.adapter): i for i, slot in enumerate(self.slots) if slot.adapter is not None}
         seats = [where.get(id(a)) for a in adapters]
         if None not in seats and all(len(g) == self.slots[i].rows for i, g in zip(seats, groups)):
             return seats
         vacant = sum(slot.adapter is None for slot in self.slots)
-        if vacant > len(adapters) or any(i is not None and len(g) != self.slots[i].rows
-                                         for i, g in zip(seats, groups)):
+        mismatched = any(i is not None and len(g) != self.slots[i].rows for i, g in zip(seats, groups))
+        if mismatched or 4 * vacant > len(self.slots) + seats.count(None):
             self.release()
             seats = [None] * len(adapters)
         self._drop_graphs()

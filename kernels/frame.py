@@ -127,9 +127,14 @@ class TableFrame:
         Tables built without dropout (no mask drawn) take none above zero. The pinned twins are
         reused: the caller waits for the kernels that read the previous layout before filling
         again."""
-        self.seg_lens = self._check(seg_lens)
+        seg_lens = self._check(seg_lens)
         if scales is not None:
-            self.scales, self.dropout_p = [float(s) for s in scales], [float(p) for p in dropout_p]
+            rates = [float(p) for p in dropout_p]
+            if any(not meta.has_dropout and any(p > 0 and r for p, r in zip(rates, meta.ranks))
+                   for meta, _, _ in self._tables.values()):
+                raise ValueError("A frame's tables built without dropout take no dropout rate above zero.")
+            self.scales, self.dropout_p = [float(s) for s in scales], rates
+        self.seg_lens = seg_lens
         routings: dict = {}  # shapes whose tables route alike share one computation
         for entry in self._tables.values():
             self._write(entry, self.seg_lens, routings)
@@ -137,8 +142,6 @@ class TableFrame:
     def _write(self, entry, seg_lens, routings: Optional[dict] = None) -> None:
         meta, buffer, (host, host_f) = entry
         scales, dropout_p = self._values(meta.ranks)
-        if not meta.has_dropout and any(p > 0 for p in dropout_p):
-            raise ValueError("A frame's tables built without dropout take no dropout rate above zero.")
         key = (tuple(r > 0 for r in meta.ranks), meta.config.block_m, meta.chunk_rows)
         routings = {} if routings is None else routings
         if key not in routings:

@@ -1,8 +1,8 @@
 """Framed tables (`kernels.frame.TableFrame`) under TRITON_INTERPRET=1: tables built for one
 layout and refilled in place for others (empty segments, other scales and dropout rates
 included) give, layout after layout, what the reference gives on each, output and every
-gradient. The calls after the first reuse the first call's tables
-and launch choices, as a replayed CUDA graph does."""
+gradient. The calls after the first reuse the first call's tables and launch choices, as a
+replayed CUDA graph does."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_a_frame_refilled_for_each_layout_matches_the_reference(config):
     first, *others = layouts(caps, tokens, 4, seed=1)
     frame = TableFrame(first, caps + [tokens])
     for k, seg_lens in enumerate([first, *others]):
-        if k:  # other values for the same tables; segment 1, built without dropout, keeps none
+        if k:  # other scales and dropout rates in the same tables (which draw masks: segment 0 has dropout)
             scales = [s * (k + 1) / 2 for s in scales]
             dropout_p = [0.3 / k, 0.0, 0.0, 0.0, 0.2, 0.0]
         frame.fill(seg_lens, scales, dropout_p)
@@ -64,9 +64,9 @@ def test_a_frame_refilled_for_each_layout_matches_the_reference(config):
         y, grads = run(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens, seeds, CONFIGS[config], frame)
         y_ref, grads_ref = run(x, weight, lora_a, lora_b, scales, dropout_p, seg_lens, seeds, None)
         assert_close(y, y_ref, what=f"output of {seg_lens}")
-        for k, (g, g_ref) in enumerate(zip(grads, grads_ref)):
+        for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
             if g_ref is not None:
-                assert_close(g, g_ref, what=f"gradient {k} of {seg_lens}")
+                assert_close(g, g_ref, what=f"gradient {i} of {seg_lens}")
 
 
 def test_a_frame_takes_only_its_layouts():
@@ -83,3 +83,13 @@ def test_a_frame_takes_only_its_layouts():
     with pytest.raises(ValueError, match="last segment of a frame is its padding"):
         triton_multi_lora_linear(torch.randn(8, 4), torch.randn(4, 4), None, [a, a, a], [b, b, b], [1.0] * 3,
                                  [0.0] * 3, [3, 4, 1], 0, config=CONFIGS["fused"], frame=frame)
+    # tables built without dropout draw no masks: no rate above zero later, nor another scale in a call
+    triton_multi_lora_linear(torch.randn(8, 4), torch.randn(4, 4), None, [a, a, None], [b, b, None], [1.0] * 3,
+                             [0.0] * 3, [3, 4, 1], 0, config=CONFIGS["fused"], frame=frame)
+    with pytest.raises(ValueError, match="built without dropout take no dropout rate above zero"):
+        frame.fill([3, 4, 1], [1.0, 1.0, 0.0], [0.1, 0.0, 0.0])
+    assert frame.dropout_p[0] == 0.0  # a refused fill changes nothing
+    frame.fill([2, 5, 1], [2.0, 0.5, 0.0], [0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="holds scale 2.0 and dropout 0.0 for segment 0, the call has 1.0"):
+        triton_multi_lora_linear(torch.randn(8, 4), torch.randn(4, 4), None, [a, a, None], [b, b, None], [1.0] * 3,
+                                 [0.0] * 3, [2, 5, 1], 0, config=CONFIGS["fused"], frame=frame)

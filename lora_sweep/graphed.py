@@ -92,23 +92,25 @@ class _Slot:
     adapter: Optional[object]  # the job's adapter record in it; None: vacant
     state: AdapterOptState
     key: str  # its layers' name for it
-    rows: int  # samples a step
-    rank: int
     modules: tuple[str, ...]
-    dropout: bool  # whether its steps draw dropout masks
-    scaling: float
-    dropout_p: float
+    cfg: object  # the config of the adapter in it, or of the last one: its shape, scale and dropout rate
 
     @staticmethod
     def of(adapter, state: AdapterOptState) -> "_Slot":
-        cfg = adapter.cfg
-        return _Slot(adapter, state, adapter.key, cfg.batch_size, cfg.rank, tuple(adapter.modules), cfg.dropout > 0,
-                     cfg.scaling, cfg.dropout)
+        return _Slot(adapter, state, adapter.key, tuple(adapter.modules), adapter.cfg)
+
+    @property
+    def rows(self) -> int:
+        """Samples a step."""
+        return self.cfg.batch_size
 
     def fits(self, cfg, modules) -> bool:
-        """Whether a trial of `cfg` on `modules` could take this slot over."""
-        return (self.adapter is None and (self.rows, self.rank, self.modules, self.dropout)
-                == (cfg.batch_size, cfg.rank, tuple(modules), cfg.dropout > 0))
+        """Whether a trial of `cfg` on `modules` could take this slot over: vacant, and of its
+        shape (samples a step, rank, layers, and dropout masks drawn or not)."""
+        def shape(c, layers):
+            return c.batch_size, c.rank, tuple(layers), c.dropout > 0
+
+        return self.adapter is None and shape(self.cfg, self.modules) == shape(cfg, modules)
 
 
 @dataclass
@@ -353,7 +355,7 @@ class GraphedStep:
         for name in slot.modules:
             self.job.layers[name].delete_adapter(slot.key)
         slot.adapter, slot.state, slot.key = adapter, self.job.optimizer.adapters[adapter.trial_id], adapter.key
-        slot.scaling, slot.dropout_p = adapter.cfg.scaling, adapter.cfg.dropout
+        slot.cfg = adapter.cfg
 
     def release(self) -> None:
         """Drop every graph and slot; the vacant slots' weights go from their layers."""
@@ -409,19 +411,21 @@ class GraphedStep:
         offsets[sample:] = np.minimum(at + piece * np.arange(layout.pieces + 1), tokens)
         table = layout.host["table"].numpy()
         for i, (slot, group, steps) in enumerate(zip(self.slots, groups, stepping)):
-            count = sum(s.loss_tokens for s in group)
-            accumulation = slot.adapter.cfg.gradient_accumulation_steps if slot.adapter is not None else 1
-            table[i, 0] = 1.0 / (max(count, 1) * accumulation)
+            count = sum(s.loss_tokens for s in group)  # none in a vacant slot: its weight multiplies nothing
+            table[i, 0] = 1.0 / (max(count, 1) * slot.cfg.gradient_accumulation_steps)
             job.optimizer.fill_device_row(slot.state, steps, table[i, 1:])
-        occupants = [slot.adapter for slot in self.slots]
-        host["seeds"][:] = layer_seed_table([a.cfg.seed if a else 0 for a in occupants] + [0],
-                                            [a.micro_steps if a else 0 for a in occupants] + [0],
-                                            job.segments.num_layers)
+        host["seeds"][:] = layer_seed_table(*self._seeds_and_steps(), job.segments.num_layers)
         layout.frame.fill([sum(len(s) for s in g) for g in groups] + [tokens - at],
-                          [slot.scaling for slot in self.slots] + [0.0],
-                          [slot.dropout_p for slot in self.slots] + [0.0])
+                          [slot.cfg.scaling for slot in self.slots] + [0.0],
+                          [slot.cfg.dropout for slot in self.slots] + [0.0])
         layout.ints.copy_(layout.host["ints"], non_blocking=True)
         layout.table.copy_(layout.host["table"], non_blocking=True)
+
+    def _seeds_and_steps(self) -> tuple[list[int], list[int]]:
+        """Each slot's dropout seed and micro-step count (its adapter's; 0 where vacant), then
+        the padding's (0, 0): what `layer_seed_table` mixes into each layer's dropout seeds."""
+        occupants = [slot.adapter for slot in self.slots] + [None]
+        return [a.cfg.seed if a else 0 for a in occupants], [a.micro_steps if a else 0 for a in occupants]
 
     def _forward_backward(self, layout: _Layout):
         """(loss sums [slots], gradients of every slot's parameters, those parameters): the
@@ -430,10 +434,9 @@ class GraphedStep:
         job = self.job
         params = [p for slot in self.slots for p in slot.state.params]
         parts = layout.views(layout.ints, job.segments.num_layers)
-        occupants = [slot.adapter for slot in self.slots]
-        job.segments.set([slot.key for slot in self.slots] + [PADDING_SEGMENT], layout.frame.seg_lens,
-                         [a.micro_steps if a else 0 for a in occupants] + [0],
-                         [a.cfg.seed if a else 0 for a in occupants] + [0], frame=layout.frame)
+        seeds, steps = self._seeds_and_steps()
+        job.segments.set([slot.key for slot in self.slots] + [PADDING_SEGMENT], layout.frame.seg_lens, steps, seeds,
+                         frame=layout.frame)
         job.segments.read_seeds_from(parts["seeds"])  # the Triton path's seeds, from the static buffer
         try:
             offsets, max_len = parts["offsets"].to(torch.int32), job.spec.max_seq_len
@@ -478,7 +481,7 @@ class GraphedStep:
             self.ran_eagerly = True
             self.eager_steps += 1
             return True
-        if not any(isinstance(e, torch.OutOfMemoryError) for e in _chain(error)):
+        if not _out_of_memory(error):
             self._drop_graphs()
             raise GraphCaptureError(f"the training step on a CUDA graph's buffers failed: {error}") from error
         self.lost_s[layout.tokens] = math.inf
@@ -510,7 +513,7 @@ class GraphedStep:
         captures of smaller buckets reuse this one's)."""
         error = _error_of(attempt, layout)
         others = any(other.captured for other in self.layouts.values() if other is not layout)
-        if others and any(isinstance(e, torch.OutOfMemoryError) for e in _chain(error)):
+        if others and _out_of_memory(error):
             self._drop_graphs()
             torch.cuda.empty_cache()
             error = _error_of(attempt, layout)
@@ -562,6 +565,11 @@ def _error_of(attempt, layout: _Layout) -> Optional[Exception]:
             error.__traceback__ = None
         return e
     return None
+
+
+def _out_of_memory(error: Optional[BaseException]) -> bool:
+    """Whether CUDA ran out of memory in `error` or in an error it was raised while handling."""
+    return any(isinstance(e, torch.OutOfMemoryError) for e in _chain(error))
 
 
 def _chain(error: Optional[BaseException]):

@@ -128,18 +128,21 @@ class TableFrame:
         reused: the caller waits for the kernels that read the previous layout before filling
         again."""
         seg_lens = self._check(seg_lens)
-        if scales is not None:
-            rates = [float(p) for p in dropout_p]
-            if any(not meta.has_dropout and any(p > 0 and r for p, r in zip(rates, meta.ranks))
+        values = scales is not None and ([float(s) for s in scales], [float(p) for p in dropout_p])
+        changed = values and values != (self.scales, self.dropout_p)
+        if changed:
+            if any(not meta.has_dropout and any(p > 0 and r for p, r in zip(values[1], meta.ranks))
                    for meta, _, _ in self._tables.values()):
                 raise ValueError("A frame's tables built without dropout take no dropout rate above zero.")
-            self.scales, self.dropout_p = [float(s) for s in scales], rates
+            self.scales, self.dropout_p = values
         self.seg_lens = seg_lens
         routings: dict = {}  # shapes whose tables route alike share one computation
         for entry in self._tables.values():
-            self._write(entry, self.seg_lens, routings)
+            self._write(entry, self.seg_lens, routings, changed)
 
-    def _write(self, entry, seg_lens, routings: Optional[dict] = None) -> None:
+    def _write(self, entry, seg_lens, routings: Optional[dict] = None, values: bool = False) -> None:
+        """Write layout `seg_lens` into `entry`'s tables, and with `values` the frame's scales
+        and dropout rates into its float table (built with those it had then)."""
         meta, buffer, (host, host_f) = entry
         scales, dropout_p = self._values(meta.ranks)
         key = (tuple(r > 0 for r in meta.ranks), meta.config.block_m, meta.chunk_rows)
@@ -153,6 +156,7 @@ class TableFrame:
         blocks_h.numpy()[:] = block_tiles
         chunks_h.numpy()[:] = np.array(chunks + [pad] * (meta.n_chunks - len(chunks)), dtype=np.int64).reshape(-1, 3)
         adapters_h.numpy()[:] = adapter_int_rows(seg_lens, meta.ranks, dropout_p, first, count)
-        host_f.numpy()[:] = adapter_float_rows(meta.ranks, scales, dropout_p)
         buffer.copy_(host, non_blocking=True)
-        meta.adapters_f.copy_(host_f, non_blocking=True)
+        if values:
+            host_f.numpy()[:] = adapter_float_rows(meta.ranks, scales, dropout_p)
+            meta.adapters_f.copy_(host_f, non_blocking=True)

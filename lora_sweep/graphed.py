@@ -29,13 +29,15 @@ a copy per buffer; after it, one copy brings back each slot's loss sum and gradi
 
 A step of a bucket without a graph trains eagerly on the bucket's buffers (which also warms
 up what it launches), then is recorded without being run again: a capture costs about one
-eager step more than a replay. Once replays have been timed, a new bucket runs eagerly, or
-padded in a larger captured one, until that has lost as much time as a capture costs; then
-it is captured. A join without a vacant slot of its shape gets a slot at the end: the graphs
+eager step more than a replay. Once replays have been timed, a step of a bucket smaller
+than a captured one runs padded in that one until the padding has lost as much time as a
+capture costs; then its bucket is captured. A join without a vacant slot of its shape gets a slot at the end: the graphs
 are dropped and captured again, at most once per bucket and slot count. The graphs of all
 buckets share one memory pool, since one runs at a time. A smaller bucket's capture reuses a
 larger one's blocks, but not the other way round: a capture that runs out of memory beside
-other buckets' graphs drops them and captures its bucket alone, once.
+other buckets' graphs drops them and captures its bucket alone, once. The buckets dropped
+are not captured again for these slots: their steps run padded in a larger graph, or
+eagerly where that has been faster. So no bucket is captured twice for one set of slots.
 
 With `cuda_graphs="auto"` a job times `TRIAL_STEPS` eager and `TRIAL_STEPS` replayed steps
 for each size of pack (adapters in [2^k, 2^(k+1))), leaving out steps that compile or capture,
@@ -45,7 +47,6 @@ and keeps the one that trains more real tokens per second.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -156,20 +157,25 @@ class GraphedStep:
         self.timings: dict[int, dict[bool, list[tuple[float, int]]]] = {}
         self.chosen: dict[int, bool] = {}
         self.captured = False  # whether the last step captured a graph
-        self.ran_eagerly = False  # whether the last step ran eagerly on a bucket not captured
+        self.ran_eagerly = False  # whether the last step ran eagerly on the buffers of a `spent` bucket
         self.failure: Optional[GraphCaptureError] = None  # why the last step's capture failed, after it trained
         self.slots: list[_Slot] = []  # the places of the pack every layout and graph is made for
         self.vacancies = 0  # slots vacated so far
         self.layouts: dict[int, _Layout] = {}  # by bucket, of `slots`
         self.pool = None  # the graphs' shared memory pool, made at the first capture
         self.captures = 0  # graphs captured so far
-        self.eager_steps = 0  # steps run eagerly on the buffers of a bucket without a graph
+        self.eager_steps = 0  # steps run eagerly on the buffers of a `spent` bucket
+        self.side_stream: Optional[torch.cuda.Stream] = None  # of every eager step here (`_train_eagerly`)
         self.wait_s = 0.0  # how long the host waited for the last step's replay to finish
-        # by bucket: the seconds its steps have lost, padded into a larger captured bucket or run
-        # eagerly, against replays of graphs of their own (`_bucket_to_run`)
+        # by bucket: the seconds its steps have lost padded into a larger captured bucket, against
+        # replays of a graph of their own (`_bucket_to_run`)
         self.lost_s: dict[int, float] = {}
         self.capture_steps: list[tuple[float, int]] = []  # every capture's step: seconds, bucket
         self.replays = [0.0, 0]  # replayed steps so far: seconds, tokens (their buckets')
+        self.eagers = [0.0, 0]  # eager steps of `spent` buckets so far: seconds, tokens
+        # buckets whose graphs were dropped to make room for another bucket's: not captured
+        # again for these slots
+        self.spent: set[int] = set()
         self.asked = 0  # the bucket of the last step's own tokens
         self.last_tokens = 0  # the bucket the last step ran at
 
@@ -182,6 +188,12 @@ class GraphedStep:
         seconds, replayed = self.replays
         return seconds * tokens / replayed if replayed else None
 
+    def _eager_s(self, tokens: int) -> Optional[float]:
+        """What an eager step of `tokens` takes on a bucket's buffers, at the mean rate of those
+        so far; None before any."""
+        seconds, stepped = self.eagers
+        return seconds * tokens / stepped if stepped else None
+
     def _capture_cost_s(self) -> Optional[float]:
         """What a capture costs beyond a replay of its step: its step's seconds, less a replay's,
         the least of the captures so far but the job's first (whose step compiles the kernels),
@@ -193,9 +205,15 @@ class GraphedStep:
         """The step's bucket, or the smallest larger one already captured until the steps of
         the bucket have lost as much time to that padding as a capture costs (then it gets a
         graph of its own): no bucket costs more than twice what the best choice in hindsight
-        would have."""
+        would have. A `spent` bucket is never captured: it runs padded in the smallest larger
+        graph, or eagerly where there is none or eager steps run faster (at their rates so far)."""
         tokens = self.asked = self.bucket(groups)
         larger = [n for n, layout in self.layouts.items() if n > tokens and layout.captured and self._fits(n)]
+        if tokens in self.spent:
+            if not larger:
+                return tokens
+            eager, padded = self._eager_s(tokens), self._replay_s(min(larger))
+            return tokens if eager is not None and padded is not None and eager < padded else min(larger)
         cost = self._capture_cost_s()
         if self._captured(tokens) or not larger or cost is None or self.lost_s.get(tokens, 0.0) >= cost:
             return tokens
@@ -203,15 +221,6 @@ class GraphedStep:
 
     def _captured(self, tokens: int) -> bool:
         return tokens in self.layouts and self.layouts[tokens].captured
-
-    def _runs_eagerly(self, tokens: int) -> bool:
-        """Whether a step of bucket `tokens`, which has no graph, runs eagerly on its buffers
-        instead of being captured: once replays have been timed, until the bucket's eager steps
-        have lost as much time against replays as a capture costs (as `_bucket_to_run` does for
-        padding). Where an eager step takes about as long as a replay, as at 7B, a bucket that
-        comes rarely is never captured."""
-        cost = self._capture_cost_s()
-        return self._replay_s(tokens) is not None and cost is not None and self.lost_s.get(tokens, 0.0) < cost
 
     def _fits(self, tokens: int) -> bool:
         """Whether a step of `tokens` fits the job's cap on tokens per forward, if it has one."""
@@ -234,19 +243,21 @@ class GraphedStep:
         return self.choose and n_adapters.bit_length() not in self.chosen
 
     def record(self, n_adapters: int, replayed: bool, seconds: float, tokens: int, timed: bool) -> None:
-        """A finished step, `replayed` if it ran here: a capture's time, a replay's, what a
-        bucket lost padded or eager (`_bucket_to_run`, `_runs_eagerly`), and, when choosing,
+        """A finished step, `replayed` if it ran here: a capture's time, a replay's, an eager
+        step's, what a bucket lost padded (`_bucket_to_run`), and, when choosing,
         its rate; `timed` is False for a step that compiled kernels or captured a graph, which
         says nothing of the steady state."""
         if replayed and self.captured:
             self.capture_steps.append((seconds, self.last_tokens))
         elif replayed and self.ran_eagerly:
-            self._lose(seconds - self._replay_s(self.last_tokens))
+            self.eagers[0] += seconds
+            self.eagers[1] += self.last_tokens
         elif replayed:
             self.replays[0] += seconds
             self.replays[1] += self.last_tokens
-            if self.last_tokens > self.asked:  # padded into a larger bucket
-                self._lose(seconds * (1 - self.asked / self.last_tokens))
+            if self.last_tokens > self.asked:  # padded into a larger bucket: the padding's share lost
+                lost = seconds * (1 - self.asked / self.last_tokens)
+                self.lost_s[self.asked] = self.lost_s.get(self.asked, 0.0) + lost
         size = n_adapters.bit_length()
         if not (self.choose and timed) or size in self.chosen or (replayed and self.ran_eagerly):
             return
@@ -262,10 +273,6 @@ class GraphedStep:
                         "eagerly: they run %s", 2 ** (size - 1), 2 ** size - 1, rate[True], rate[False],
                         "replayed" if self.chosen[size] else "eagerly")
 
-    def _lose(self, seconds: float) -> None:
-        """The last step's bucket lost `seconds` for want of a graph of its own."""
-        self.lost_s[self.asked] = self.lost_s.get(self.asked, 0.0) + seconds
-
     def takes(self, groups) -> bool:
         """Whether this step runs here: its own bucket fits the job's cap (else it runs eagerly,
         in microbatches)."""
@@ -276,9 +283,9 @@ class GraphedStep:
         those `stepping`: (each adapter's loss sum, each one's gradient norm before clipping).
 
         A step of a bucket without a graph runs eagerly on the bucket's buffers, and is then
-        captured for the steps after it (unless `_runs_eagerly`). Raises `GraphCaptureError`
-        if that eager step fails (nothing trained then); if only the capture fails, the step
-        has trained and `failure` holds the error."""
+        captured for the steps after it, unless the bucket is `spent`. Raises
+        `GraphCaptureError` if that eager step fails (nothing trained then); if only the
+        capture fails, the step has trained and `failure` holds the error."""
         seats = self._seat(adapters, groups)
         slot_groups, slot_stepping = [[] for _ in self.slots], [False] * len(self.slots)
         for i, group, steps in zip(seats, groups, stepping):
@@ -293,7 +300,9 @@ class GraphedStep:
             layout.graph.replay()
         elif layout.captured or not self.capture:  # (the CPU tests' stand-in for a graph)
             self._step(layout)
-        elif not (self._runs_eagerly(tokens) and self._eager_step(layout)):
+        elif tokens in self.spent:
+            self._eager_step(layout)
+        else:
             self._train_and_capture(layout)
         out = layout.host["out"]
         out.copy_(layout.out, non_blocking=True)
@@ -323,6 +332,7 @@ class GraphedStep:
             self.release()
             seats = [None] * len(adapters)
         self._drop_graphs()
+        self.spent.clear()
         optimizer = self.job.optimizer
         for k, a in enumerate(adapters):
             if seats[k] is None:
@@ -360,6 +370,7 @@ class GraphedStep:
     def release(self) -> None:
         """Drop every graph and slot; the vacant slots' weights go from their layers."""
         self._drop_graphs()
+        self.spent.clear()
         for slot in self.slots:
             if slot.adapter is None:
                 for name in slot.modules:
@@ -472,21 +483,15 @@ class GraphedStep:
         self.lost_s.clear()
         self.pool = None
 
-    def _eager_step(self, layout: _Layout) -> bool:
-        """`_step` on `layout`'s buffers, eagerly: whether it trained. Beside the graphs' pool a
-        step may not fit; then it has trained nothing and its bucket is captured instead.
-        Raises `GraphCaptureError` on any other error."""
+    def _eager_step(self, layout: _Layout) -> None:
+        """`_step` on `layout`'s buffers, eagerly (`_train_eagerly`). Raises `GraphCaptureError`
+        if it fails: then it has trained nothing."""
         error = _error_of(self._train_eagerly, layout)
-        if error is None:
-            self.ran_eagerly = True
-            self.eager_steps += 1
-            return True
-        if not _out_of_memory(error):
+        if error is not None:
             self._drop_graphs()
             raise GraphCaptureError(f"the training step on a CUDA graph's buffers failed: {error}") from error
-        self.lost_s[layout.tokens] = math.inf
-        torch.cuda.empty_cache()
-        return False
+        self.ran_eagerly = True
+        self.eager_steps += 1
 
     def _train_and_capture(self, layout: _Layout) -> None:
         """Train the step eagerly on `layout`'s buffers, then capture it for the next steps of
@@ -508,12 +513,13 @@ class GraphedStep:
 
     def _alone_if_out_of_memory(self, attempt, layout: _Layout) -> Optional[Exception]:
         """`attempt(layout)`'s error, if any (`_error_of`). If it ran out of memory while other
-        buckets' graphs hold the pool, those are dropped and it is attempted once more, alone:
-        the pool keeps their blocks, and a larger bucket's tensors do not fit in them (later
-        captures of smaller buckets reuse this one's)."""
+        buckets' graphs hold the pool, those are dropped, `spent`, and it is attempted once
+        more, alone: the pool keeps their blocks, and a larger bucket's tensors do not fit in
+        them (later captures of smaller buckets reuse this one's)."""
         error = _error_of(attempt, layout)
-        others = any(other.captured for other in self.layouts.values() if other is not layout)
+        others = [n for n, other in self.layouts.items() if other.captured and other is not layout]
         if others and _out_of_memory(error):
+            self.spent.update(others)
             self._drop_graphs()
             torch.cuda.empty_cache()
             error = _error_of(attempt, layout)
@@ -529,7 +535,11 @@ class GraphedStep:
         if not layout.ints.is_cuda:
             self._step(layout)
             return
-        main, side = torch.cuda.current_stream(layout.ints.device), torch.cuda.Stream(layout.ints.device)
+        # one side stream for all: the allocator caches blocks by stream, and a new stream each
+        # step would keep a step's worth of them for each
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(layout.ints.device)
+        main, side = torch.cuda.current_stream(layout.ints.device), self.side_stream
         with warnings.catch_warnings():
             # the adapters' AccumulateGrad nodes were made by eager steps on another stream; the
             # gradients are taken with autograd.grad, which never runs them

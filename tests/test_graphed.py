@@ -130,14 +130,6 @@ def test_token_buckets(tiny_llama_dir, toy_data, tmp_path):
 
     assert [run_once() for _ in range(4)] == [256, 256, 64, 64]  # each step padded to 256 loses 0.75 s
     assert step.lost_s == {64: 1.5}
-    # a bucket larger than every captured one runs eagerly until that has cost as much as a capture
-    assert step._replay_s(512) == pytest.approx(2.0) and step._runs_eagerly(512)
-    step.asked = step.last_tokens = 512
-    step.ran_eagerly = True
-    step.record(1, True, 2.6, 300, timed=True)
-    assert step.lost_s[512] == pytest.approx(0.6) and step._runs_eagerly(512)
-    step.record(1, True, 2.6, 300, timed=True)
-    assert not step._runs_eagerly(512)
     job.microbatch_tokens = 128  # and never past the job's cap on tokens per forward
     assert step.takes([[sample(70), sample(1)]]) and not step.takes([[sample(70)], [sample(60)]])
     assert step._bucket_to_run([[sample(50)], [sample(50)]]) == 128
@@ -261,12 +253,16 @@ def test_a_failure_to_capture_sends_the_job_back_to_eager_steps(tiny_llama_dir, 
     assert all(same(x, y) for x, y in zip(*weights))
 
 
-def test_a_capture_out_of_memory_beside_other_graphs_drops_them_and_captures_alone(tiny_llama_dir, toy_data,
-                                                                                   tmp_path, monkeypatch):
+@pytest.mark.parametrize("trials, spent_runs", [(2, "padded"), (4, "eagerly")])
+def test_a_capture_out_of_memory_beside_other_graphs_drops_them_for_good(tiny_llama_dir, toy_data, tmp_path,
+                                                                         monkeypatch, trials, spent_runs):
     """A capture that runs out of memory while other buckets' graphs hold the pool: those graphs
-    are dropped and the bucket is captured alone, once; the job keeps its graphs, no warning,
-    and trains what the eager job trains (to fp32 rounding: the graphed step pads)."""
-    captured = []
+    are dropped and the bucket is captured alone. The buckets dropped are not captured again
+    for these slots (no bucket is captured twice): their steps run padded in a larger graph
+    (two trials: 64 tokens dropped for 128), or eagerly on their buffers where no graph is
+    larger (four trials: 192 dropped for 128). The job keeps its graphs, no warning, and trains
+    what the eager job trains (to fp32 rounding: the graphed step pads)."""
+    captured, runs = [], []
 
     def capture_fails_beside_others(self, layout):
         if any(other.captured for other in self.layouts.values()):
@@ -274,57 +270,44 @@ def test_a_capture_out_of_memory_beside_other_graphs_drops_them_and_captures_alo
         captured.append(layout.tokens)  # an eager step on the static buffers stands for the graph
 
     monkeypatch.setattr(GraphedStep, "_capture", capture_fails_beside_others)
-    monkeypatch.setattr(GraphedStep, "_runs_eagerly", lambda self, tokens: False)  # every new bucket is captured
-    weights = []
-    for graphs in (False, True):
-        job = _two_trials(tiny_llama_dir, toy_data, tmp_path / str(graphs))
-        if graphs:
-            job.graphed_step = GraphedStep(job)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no capture failure reaches the job
-            for _ in range(6):
-                job.step()
-        if graphs:
-            assert all(s["graphed"] for s in job.step_stats)
-            assert len(captured) >= 2 and job.graphed_step.captures == len(captured)
-            layouts = job.graphed_step.layouts
-            assert [n for n in layouts if layouts[n].captured] == [captured[-1]]  # each capture alone in the pool
-        weights.append([job.optimizer.adapters[t].flat.clone() for t in ("a", "b")])
-    assert all(rel(x, y) < 1e-5 for x, y in zip(*weights))
-
-
-def test_a_bucket_without_a_graph_runs_eagerly_on_its_buffers(tiny_llama_dir, toy_data, tmp_path, monkeypatch):
-    """A step whose bucket `_runs_eagerly` keeps from capture trains on that bucket's buffers,
-    eagerly, as the job's own step would; one that runs out of memory there (beside the
-    graphs' pool) has trained nothing, and its bucket is captured instead."""
-    captured, paths = [], []
-    monkeypatch.setattr(GraphedStep, "_capture", lambda self, layout: captured.append(layout.tokens))
-    monkeypatch.setattr(GraphedStep, "_runs_eagerly", lambda self, tokens: bool(captured))  # once one is
-    monkeypatch.setattr(GraphedStep, "_capture_cost_s", lambda self: None)  # no step pads into a larger bucket
-    real_step = GraphedStep._step
-
-    def out_of_memory_once_beside_a_graph(self, layout):
-        if "eager" in paths and "oom" not in paths and not layout.captured:  # its second eager step
-            paths.append("oom")
-            raise torch.OutOfMemoryError("CUDA out of memory beside the graphs")
-        real_step(self, layout)
-
-    monkeypatch.setattr(GraphedStep, "_step", out_of_memory_once_beside_a_graph)
     weights = []
     for graphs in (False, True):
         job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphs), eval_every=100, padding="packed"),
-                        four_trials(), progress=False)
+                        four_trials()[:trials], progress=False)
         if graphs:
-            job.graphed_step = GraphedStep(job)
-        for _ in range(9):
-            job.step()
-            if graphs:
-                step = job.graphed_step
-                paths.append("captured" if step.captured else "eager" if step.ran_eagerly else "replayed")
-        weights.append([job.optimizer.adapters[t].flat.clone() for t in "abcd"])
-    assert paths.count("oom") == 1 and len(captured) == 2 and paths.count("captured") == 2
-    assert paths[paths.index("oom") + 1] == "captured" and paths.index("eager") < paths.index("oom")
+            job.graphed_step = step = GraphedStep(job)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no capture failure reaches the job
+            for _ in range(9):
+                job.step()
+                if graphs and step.asked in step.spent:
+                    runs.append("padded" if step.last_tokens > step.asked else "eagerly" if step.ran_eagerly else "?")
+        if graphs:
+            assert all(s["graphed"] for s in job.step_stats)
+            assert len(step.spent) == 1 and len(captured) == len(set(captured)) == step.captures == 2
+            assert [n for n in step.layouts if step.layouts[n].captured] == [captured[-1]]  # captured alone
+            assert runs and set(runs) == {spent_runs}
+        weights.append([job.optimizer.adapters[t].flat.clone() for t in "abcd"[:trials]])
     assert all(rel(x, y) < 1e-5 for x, y in zip(*weights))
+
+
+def test_a_spent_bucket_runs_padded_or_eagerly_whichever_has_been_faster():
+    """A bucket whose graph made room for another's runs padded in the smallest larger graph
+    until eager steps have been timed faster than that graph's replays, then eagerly; with no
+    larger graph, eagerly."""
+    step = GraphedStep(SimpleNamespace(microbatch_tokens=None))
+    step.layouts = {256: SimpleNamespace(captured=True), 512: SimpleNamespace(captured=True)}
+    step.spent = {128}
+    groups = [[range(100)]]  # one adapter's one sample of 100 tokens
+    assert token_bucket(100) == 128
+    assert step._bucket_to_run(groups) == 256  # no eager step timed yet
+    step.replays = [2.0, 512]  # 1 s a replay of 256 tokens
+    step.eagers = [0.9, 128]
+    assert step._bucket_to_run(groups) == 128
+    step.eagers = [1.1, 128]
+    assert step._bucket_to_run(groups) == 256
+    step.layouts = {64: SimpleNamespace(captured=True)}
+    assert step._bucket_to_run(groups) == 128
 
 
 def test_a_trial_of_the_same_shape_takes_over_a_leavers_slot(tiny_llama_dir, toy_data, tmp_path, monkeypatch):
@@ -335,7 +318,6 @@ def test_a_trial_of_the_same_shape_takes_over_a_leavers_slot(tiny_llama_dir, toy
     twice, and every trial trains as in a job without graphs."""
     captured = []
     monkeypatch.setattr(GraphedStep, "_capture", lambda self, layout: captured.append((layout.tokens, len(self.slots))))
-    monkeypatch.setattr(GraphedStep, "_runs_eagerly", lambda self, tokens: False)  # every new bucket is captured
     monkeypatch.setattr(GraphedStep, "_capture_cost_s", lambda self: None)  # no step pads into a larger bucket
     a, b, c, d = four_trials()
     like_b = ls.TrialConfig(rank=8, alpha=32, learning_rate=4e-3, batch_size=2, dropout=0.0, max_steps=10,

@@ -119,6 +119,29 @@ def test_join_and_leave_under_graphs(tmp_path, monkeypatch):
     close(graphed, eager, first=1e-2, drift=3e-2)
 
 
+def test_a_capture_out_of_memory_beside_other_graphs(tmp_path, monkeypatch):
+    """A capture that runs out of memory beside other buckets' graphs (made to, once) drops
+    them and captures alone, in a new pool; the buckets dropped are never captured again: they
+    run padded in a larger graph or eagerly on their buffers, and the job trains as the eager
+    job does, every step graphed."""
+    captured, refused, capture = [], [], GraphedStep._capture
+
+    def out_of_memory_once_beside_others(self, layout):
+        if not refused and any(other.captured for other in self.layouts.values() if other is not layout):
+            refused.append(layout.tokens)
+            raise torch.OutOfMemoryError("CUDA out of memory beside the graphs (made by the test)")
+        captured.append(layout.tokens)
+        capture(self, layout)
+
+    monkeypatch.setattr(GraphedStep, "_capture", out_of_memory_once_beside_others)
+    graphed, job, _ = train(tmp_path, graphs=True)
+    eager, _, _ = train(tmp_path, graphs=False)
+    step = job.graphed_step
+    assert refused and step is not None and step.spent and all(s["graphed"] for s in job.step_stats)
+    assert len(captured) == len(set(captured)) and refused[0] in captured, captured
+    close(graphed, eager, first=1e-2, drift=3e-2)
+
+
 def test_a_failing_trial_costs_its_pack_mates_nothing_under_graphs(tmp_path):
     healthy, _, _ = train(tmp_path, graphs=True, run="healthy")
     poisoned, job, events = train(tmp_path, graphs=True, poison=(6, "t2"), run="poisoned")

@@ -29,15 +29,16 @@ a copy per buffer; after it, one copy brings back each slot's loss sum and gradi
 
 A step of a bucket without a graph trains eagerly on the bucket's buffers (which also warms
 up what it launches), then is recorded without being run again: a capture costs about one
-eager step more than a replay. Once replays have been timed, a step of a bucket smaller
+eager step more than a replay. Once a capture's cost is known, a step of a bucket smaller
 than a captured one runs padded in that one until the padding has lost as much time as a
-capture costs; then its bucket is captured. A join without a vacant slot of its shape gets a slot at the end: the graphs
-are dropped and captured again, at most once per bucket and slot count. The graphs of all
-buckets share one memory pool, since one runs at a time. A smaller bucket's capture reuses a
-larger one's blocks, but not the other way round: a capture that runs out of memory beside
-other buckets' graphs drops them and captures its bucket alone, once. The buckets dropped
-are not captured again for these slots: their steps run padded in a larger graph, or
-eagerly where that has been faster. So no bucket is captured twice for one set of slots.
+capture costs; then its bucket is captured. A join without a vacant slot of its shape gets
+a slot at the end: the graphs are dropped and captured again, at most once per bucket and
+slot count. The graphs of all buckets share one memory pool, since one runs at a time. A
+smaller bucket's capture reuses a larger one's blocks, but not the other way round: a
+capture that runs out of memory beside other buckets' graphs drops them and captures its
+bucket alone, once. The buckets dropped are not captured again for these slots: their steps
+run padded in a larger graph, or eagerly where that has been faster. So no bucket is
+captured twice for one set of slots.
 
 With `cuda_graphs="auto"` a job times `TRIAL_STEPS` eager and `TRIAL_STEPS` replayed steps
 for each size of pack (adapters in [2^k, 2^(k+1))), leaving out steps that compile or capture,

@@ -36,6 +36,12 @@ def _optimizers(seed):
     return pair
 
 
+def _packed_job(tiny_llama_dir, toy_data, path, trials) -> PackedJob:
+    """A job of `trials` on the tiny Llama, its samples packed in one row as graphs need."""
+    return PackedJob(make_spec(tiny_llama_dir, toy_data, path, eval_every=100, padding="packed"), trials,
+                     progress=False)
+
+
 def test_step_on_device_is_the_host_step():
     """Per-adapter lr schedules, weight decay, clipping by each adapter's own norm, an adapter
     inside its accumulation window and one with a non-finite loss: the table-driven update
@@ -206,8 +212,7 @@ def test_auto_keeps_the_step_that_trains_faster(tiny_llama_dir, toy_data, tmp_pa
     assert step.chosen[2] is False and not step.wants(3) and step.wants(31)
 
     # a job's steps follow it: eager, then replayed, then whichever it chose
-    job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / "job", eval_every=100, padding="packed"),
-                    four_trials()[:2], progress=False)
+    job = _packed_job(tiny_llama_dir, toy_data, tmp_path / "job", four_trials()[:2])
     job.graphed_step = GraphedStep(job, capture=False, choose=True)
     for _ in range(2 * TRIAL_STEPS + 3):
         job.step()
@@ -216,11 +221,6 @@ def test_auto_keeps_the_step_that_trains_faster(tiny_llama_dir, toy_data, tmp_pa
     assert graphed == [False] * (TRIAL_STEPS + 1) + [True] * TRIAL_STEPS + [choice] * 2
     # the steps timed for the choice say so (`profile_job` and `calibrate` leave them out)
     assert [s["choosing"] for s in job.step_stats] == [True] * (2 * TRIAL_STEPS + 1) + [False] * 2
-
-
-def _two_trials(tiny_llama_dir, toy_data, path) -> PackedJob:
-    return PackedJob(make_spec(tiny_llama_dir, toy_data, path, eval_every=100, padding="packed"), four_trials()[:2],
-                     progress=False)
 
 
 @pytest.mark.parametrize("fails", ["capture", "step"])
@@ -239,7 +239,7 @@ def test_a_failure_to_capture_sends_the_job_back_to_eager_steps(tiny_llama_dir, 
                "step": "the training step on a CUDA graph's buffers failed"}[fails]
     weights = []
     for graphs in (False, True):
-        job = _two_trials(tiny_llama_dir, toy_data, tmp_path / str(graphs))
+        job = _packed_job(tiny_llama_dir, toy_data, tmp_path / str(graphs), four_trials()[:2])
         if graphs:
             job.graphed_step = GraphedStep(job)
             with pytest.warns(UserWarning, match=f"{message}: CUDA out of memory in the {fails}"):
@@ -272,8 +272,7 @@ def test_a_capture_out_of_memory_beside_other_graphs_drops_them_for_good(tiny_ll
     monkeypatch.setattr(GraphedStep, "_capture", capture_fails_beside_others)
     weights = []
     for graphs in (False, True):
-        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphs), eval_every=100, padding="packed"),
-                        four_trials()[:trials], progress=False)
+        job = _packed_job(tiny_llama_dir, toy_data, tmp_path / str(graphs), four_trials()[:trials])
         if graphs:
             job.graphed_step = step = GraphedStep(job)
         with warnings.catch_warnings():
@@ -328,8 +327,7 @@ def test_a_trial_of_the_same_shape_takes_over_a_leavers_slot(tiny_llama_dir, toy
     schedule = {3: ((), ("b",)), 5: ((like_b,), ()), 7: ((d,), ()), 8: ((like_none,), ("a",))}
     runs = []
     for graphs in (False, True):
-        job = PackedJob(make_spec(tiny_llama_dir, toy_data, tmp_path / str(graphs), eval_every=100, padding="packed"),
-                        [a, b, c], progress=False)
+        job = _packed_job(tiny_llama_dir, toy_data, tmp_path / str(graphs), [a, b, c])
         if graphs:
             job.graphed_step = GraphedStep(job)
         buffers, losses = {}, {}

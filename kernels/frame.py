@@ -128,13 +128,15 @@ class TableFrame:
         reused: the caller waits for the kernels that read the previous layout before filling
         again."""
         seg_lens = self._check(seg_lens)
-        values = scales is not None and ([float(s) for s in scales], [float(p) for p in dropout_p])
-        changed = values and values != (self.scales, self.dropout_p)
+        changed = False
+        if scales is not None:
+            scales, dropout_p = [float(s) for s in scales], [float(p) for p in dropout_p]
+            changed = (scales, dropout_p) != (self.scales, self.dropout_p)
         if changed:
-            if any(not meta.has_dropout and any(p > 0 and r for p, r in zip(values[1], meta.ranks))
+            if any(not meta.has_dropout and any(p > 0 and r for p, r in zip(dropout_p, meta.ranks))
                    for meta, _, _ in self._tables.values()):
                 raise ValueError("A frame's tables built without dropout take no dropout rate above zero.")
-            self.scales, self.dropout_p = values
+            self.scales, self.dropout_p = scales, dropout_p
         self.seg_lens = seg_lens
         routings: dict = {}  # shapes whose tables route alike share one computation
         for entry in self._tables.values():

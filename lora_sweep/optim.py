@@ -68,11 +68,12 @@ class AdapterOptState:
                 self.flat = values
                 self.grad, self.exp_avg, self.exp_avg_sq = (torch.zeros_like(values) for _ in range(3))
             else:
-                old = storage
-                if [p.shape for p in old.params] != [p.shape for p in self.params] or old.flat.dtype != values.dtype:
+                if [p.shape for p in storage.params] != [p.shape for p in self.params] \
+                        or storage.flat.dtype != values.dtype:
                     raise ValueError("An adapter takes over only the storage of one of the same parameter shapes "
                                      "and dtype.")
-                self.flat, self.grad, self.exp_avg, self.exp_avg_sq = old.flat, old.grad, old.exp_avg, old.exp_avg_sq
+                self.flat, self.grad = storage.flat, storage.grad
+                self.exp_avg, self.exp_avg_sq = storage.exp_avg, storage.exp_avg_sq
                 self.flat.copy_(values)
                 for buffer in (self.grad, self.exp_avg, self.exp_avg_sq):
                     buffer.zero_()
